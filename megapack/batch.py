@@ -1,0 +1,420 @@
+"""`PackedBatch`: one THD micro-batch of packed documents, and conversions into it.
+
+Layout legend (THD: micro-batch rows concatenated into one row of T tokens):
+
+    tokens, labels, position_ids   [1, T] int64
+    loss_mask                      [1, T] float32
+    cu_seqlens                     [n + 1] int32, cumulative real document lengths, from 0
+    cu_seqlens_padded              [n + 1] int32 or None, cumulative padded lengths (buffer offsets)
+    max_seqlen                     Python int, longest segment of the buffer
+
+Worked example, documents of lengths [3, 2, 4] with tokens ``a b c | d e | f g h i``:
+
+    tokens        [a, b, c, d, e, f, g, h, i]
+    labels        [b, c, P, e, P, g, h, i, P]      (P = pad_token_id: no next token in the document)
+    loss_mask     [1, 1, 0, 1, 0, 1, 1, 1, 0]
+    position_ids  [0, 1, 2, 0, 1, 0, 1, 2, 3]
+    cu_seqlens    [0, 3, 5, 9]                     max_seqlen 4
+
+With ``pad_to_multiple_of=4`` each document is padded to [4, 4, 4] tokens; ``cu_seqlens`` stays
+[0, 3, 5, 9] and ``cu_seqlens_padded`` is [0, 4, 8, 12] (Transformer Engine's THD convention:
+the real lengths plus the padded offsets where each document starts in the buffer). Without
+``cu_seqlens_padded``, ``cu_seqlens`` itself indexes the buffer and must end at T; trailing row
+padding is then a segment of its own, as in Megatron's SFT datasets, so no kernel leaves it
+uninitialized.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+TOKEN_DTYPE = torch.int64
+MASK_DTYPE = torch.float32
+CU_DTYPE = torch.int32
+
+Document = Sequence[int] | np.ndarray | torch.Tensor | Mapping[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackedBatch:
+    """A packed micro-batch in THD layout; see the module docstring for a worked example."""
+
+    tokens: torch.Tensor
+    """[1, T] int64 input token ids."""
+    labels: torch.Tensor
+    """[1, T] int64 targets: the next token within the same document."""
+    loss_mask: torch.Tensor
+    """[1, T] float32, 1 where the position's label is trained, 0 on padding and document ends."""
+    position_ids: torch.Tensor
+    """[1, T] int64, restarting at 0 for every document."""
+    cu_seqlens: torch.Tensor
+    """[n + 1] int32 cumulative real document lengths, starting at 0, strictly increasing."""
+    cu_seqlens_padded: torch.Tensor | None = None
+    """[n + 1] int32 cumulative padded lengths (buffer offsets), or None without per-document padding."""
+    max_seqlen: int
+    """Length of the longest buffer segment (padded segments when ``cu_seqlens_padded`` is set)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the number of positions in the buffer, padding included."""
+        return int(self.tokens.shape[-1])
+
+    def validate(self) -> PackedBatch:
+        """Check the THD contract; raise ValueError/TypeError naming the field and value.
+
+        Returns:
+            self, so that ``batch = PackedBatch(...).validate()`` reads naturally.
+        """
+        grid = ("tokens", "labels", "position_ids", "loss_mask")
+        for name in grid:
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"PackedBatch.{name} must be a torch.Tensor, got {type(value).__name__}"
+                )
+            if value.dim() != 2 or value.shape[0] != 1:
+                raise ValueError(
+                    f"PackedBatch.{name} has shape {tuple(value.shape)}; THD batches are [1, T] "
+                    "(concatenate micro-batch rows into one)"
+                )
+            if value.shape != self.tokens.shape:
+                raise ValueError(
+                    f"PackedBatch.{name} has shape {tuple(value.shape)} but tokens has "
+                    f"{tuple(self.tokens.shape)}"
+                )
+            want = MASK_DTYPE if name == "loss_mask" else TOKEN_DTYPE
+            _check_dtype(f"PackedBatch.{name}", value, want)
+            if value.device != self.tokens.device:
+                raise ValueError(
+                    f"PackedBatch.{name} is on {value.device} but tokens is on {self.tokens.device}"
+                )
+        total = self.num_tokens
+        if total == 0:
+            raise ValueError("PackedBatch.tokens is empty (T == 0)")
+        real = _check_cu("PackedBatch.cu_seqlens", self.cu_seqlens)
+        segments = real
+        if self.cu_seqlens_padded is None:
+            if real[-1] != total:
+                raise ValueError(
+                    f"PackedBatch.cu_seqlens ends at {real[-1]} but the buffer has T={total} tokens; "
+                    "cover trailing padding with a final segment or give cu_seqlens_padded"
+                )
+        else:
+            padded = _check_cu("PackedBatch.cu_seqlens_padded", self.cu_seqlens_padded)
+            if len(padded) != len(real):
+                raise ValueError(
+                    f"PackedBatch.cu_seqlens_padded has {len(padded)} entries but cu_seqlens has {len(real)}"
+                )
+            if padded[-1] != total:
+                raise ValueError(
+                    f"PackedBatch.cu_seqlens_padded ends at {padded[-1]} but the buffer has T={total} tokens"
+                )
+            for i in range(len(real) - 1):
+                if padded[i + 1] - padded[i] < real[i + 1] - real[i]:
+                    raise ValueError(
+                        f"PackedBatch.cu_seqlens_padded segment {i} holds {padded[i + 1] - padded[i]} "
+                        f"positions but document {i} has {real[i + 1] - real[i]} tokens"
+                    )
+            segments = padded
+        if not isinstance(self.max_seqlen, int) or isinstance(self.max_seqlen, bool):
+            raise TypeError(
+                f"PackedBatch.max_seqlen must be a Python int, got {type(self.max_seqlen).__name__} "
+                f"({self.max_seqlen!r}); use int(...)"
+            )
+        longest = max(b - a for a, b in itertools.pairwise(segments))
+        if self.max_seqlen < longest:
+            raise ValueError(
+                f"PackedBatch.max_seqlen={self.max_seqlen} is below the longest segment ({longest})"
+            )
+        return self
+
+    def to_packed_seq_params(self) -> PackedSeqParams:
+        """megatron-core's ``PackedSeqParams(qkv_format="thd", ...)`` for this batch."""
+        return make_packed_seq_params(self.cu_seqlens, self.cu_seqlens_padded, self.max_seqlen)
+
+    @classmethod
+    def from_documents(
+        cls,
+        docs: Sequence[Document],
+        *,
+        seq_len: int | None = None,
+        pad_to_multiple_of: int = 1,
+        pad_token_id: int = 0,
+    ) -> PackedBatch:
+        """Pack documents into one THD row.
+
+        Args:
+            docs: token sequences (lists, numpy arrays, 1-D tensors) or dicts with ``tokens`` and an
+                optional per-token ``loss_mask`` marking which tokens are learned as targets
+                (e.g. 0 on a prompt, 1 on its completion).
+            seq_len: pad the row to exactly this many tokens; ValueError if the documents do not fit.
+            pad_to_multiple_of: pad each document to a multiple of this (e.g. 2 x context-parallel
+                size, or 8/16 for FP8 kernels); then ``cu_seqlens_padded`` is set.
+            pad_token_id: token id used for padding and for the label of each document's last token.
+
+        Returns:
+            A validated PackedBatch on CPU.
+
+        Example:
+            >>> b = PackedBatch.from_documents([[5, 6, 7], [8, 9], [1, 2, 3, 4]])
+            >>> b.cu_seqlens.tolist(), b.position_ids.tolist()
+            ([0, 3, 5, 9], [[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+        """
+        if (
+            isinstance(pad_to_multiple_of, bool)
+            or not isinstance(pad_to_multiple_of, int)
+            or pad_to_multiple_of < 1
+        ):
+            raise ValueError(f"pad_to_multiple_of must be an int >= 1, got {pad_to_multiple_of!r}")
+        if len(docs) == 0:
+            raise ValueError("docs is empty: a PackedBatch needs at least one document")
+        toks, masks = zip(*(_document_arrays(i, d) for i, d in enumerate(docs)), strict=True)
+        lengths = np.array([len(t) for t in toks], dtype=np.int64)
+        padded = -(-lengths // pad_to_multiple_of) * pad_to_multiple_of
+        total = int(padded.sum())
+        if seq_len is not None and (
+            isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1
+        ):
+            raise ValueError(f"seq_len must be a positive int or None, got {seq_len!r}")
+        if seq_len is not None and total > seq_len:
+            raise ValueError(
+                f"{len(docs)} documents need {total} tokens (after padding to multiples of "
+                f"{pad_to_multiple_of}) but seq_len={seq_len}; plan fewer documents per row"
+            )
+        width = seq_len if seq_len is not None else total
+
+        tokens = np.full(width, pad_token_id, dtype=np.int64)
+        labels = np.full(width, pad_token_id, dtype=np.int64)
+        loss_mask = np.zeros(width, dtype=np.float32)
+        position_ids = np.zeros(width, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(padded)[:-1]])
+        for start, tok, mask, n, p in zip(starts, toks, masks, lengths, padded, strict=True):
+            tokens[start : start + n] = tok
+            labels[start : start + n - 1] = tok[1:]
+            loss_mask[start : start + n - 1] = mask[1:]
+            position_ids[start : start + p] = np.arange(p)
+        real_cu = np.concatenate([[0], np.cumsum(lengths)])
+        if pad_to_multiple_of > 1:
+            padded_cu = np.concatenate([[0], np.cumsum(padded)])
+            padded_cu[-1] = width  # trailing row padding belongs to the last document's pad
+            position_ids[starts[-1] :] = np.arange(width - starts[-1])
+            segment_lens = np.diff(padded_cu)
+            cu, cu_padded = real_cu, padded_cu
+        else:
+            cu = real_cu if width == total else np.concatenate([real_cu, [width]])
+            cu_padded = None
+            segment_lens = np.diff(cu)
+            position_ids[total:] = np.arange(width - total)
+        return cls(
+            tokens=torch.from_numpy(tokens)[None],
+            labels=torch.from_numpy(labels)[None],
+            loss_mask=torch.from_numpy(loss_mask)[None],
+            position_ids=torch.from_numpy(position_ids)[None],
+            cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+            cu_seqlens_padded=None
+            if cu_padded is None
+            else torch.from_numpy(cu_padded.astype(np.int32)),
+            max_seqlen=int(segment_lens.max()),
+        ).validate()
+
+    @classmethod
+    def from_megatron_batch(cls, batch: Mapping[str, Any]) -> PackedBatch:
+        """Merge a Megatron SFT-style packed batch of b rows into one THD row.
+
+        Args:
+            batch: ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` of shape [b, s] and
+                ``cu_seqlens`` of shape [b, k] (or [k] when b == 1): each row's boundaries start
+                at 0, end at s, and are padded after that with -1 or with repeats of s. Optional
+                ``max_seqlen`` (int or tensor; at least the longest document). ``attention_mask``
+                and ``cu_seqlens_argmin`` are redundant with the boundaries and ignored.
+
+        Returns:
+            A validated PackedBatch of T = b * s tokens with row offsets added to the boundaries.
+
+        Example:
+            rows of s=4 with cu_seqlens ``[[0, 3, 4, -1], [0, 4, 4, 4]]`` merge into
+            ``cu_seqlens [0, 3, 4, 8]``.
+        """
+        tokens = grid_tensor(batch, "tokens")
+        b, s = tokens.shape
+        grid = {
+            name: grid_tensor(batch, name, (b, s))
+            for name in ("labels", "loss_mask", "position_ids")
+        }
+        grid["tokens"] = tokens
+        raw = batch["cu_seqlens"]
+        cu_rows = np.asarray(raw.detach().cpu() if isinstance(raw, torch.Tensor) else raw)
+        if cu_rows.ndim == 1 and b == 1:
+            cu_rows = cu_rows[None]
+        if cu_rows.ndim != 2 or cu_rows.shape[0] != b:
+            raise ValueError(
+                f"cu_seqlens has shape {tuple(cu_rows.shape)}; expected [b, k] with b={b} rows like tokens"
+            )
+        if not np.issubdtype(cu_rows.dtype, np.integer):
+            raise TypeError(f"cu_seqlens must hold integers, got dtype {cu_rows.dtype}")
+        merged = [0]
+        for row in range(b):
+            bounds = _row_boundaries(cu_rows[row], s, row)
+            merged.extend(int(v) + row * s for v in bounds[1:])
+        cu = np.asarray(merged, dtype=np.int64)
+        longest = int(np.diff(cu).max())
+        max_seqlen = longest
+        if batch.get("max_seqlen") is not None:
+            given = batch["max_seqlen"]
+            given_max = int(
+                given.max().item() if isinstance(given, torch.Tensor) else np.max(given)
+            )
+            if given_max < longest:
+                raise ValueError(
+                    f"max_seqlen={given_max} is below the longest document ({longest} tokens)"
+                )
+            max_seqlen = given_max
+        return cls(
+            tokens=grid["tokens"].to(TOKEN_DTYPE).reshape(1, b * s),
+            labels=grid["labels"].to(TOKEN_DTYPE).reshape(1, b * s),
+            loss_mask=grid["loss_mask"].to(MASK_DTYPE).reshape(1, b * s),
+            position_ids=grid["position_ids"].to(TOKEN_DTYPE).reshape(1, b * s),
+            cu_seqlens=torch.from_numpy(cu.astype(np.int32)).to(grid["tokens"].device),
+            max_seqlen=max_seqlen,
+        ).validate()
+
+
+def make_packed_seq_params(
+    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None, max_seqlen: int
+) -> PackedSeqParams:
+    """megatron-core ``PackedSeqParams`` in THD format with Python-int maxima."""
+    from megatron.core.packed_seq_params import (
+        PackedSeqParams,
+    )  # lazy: importing megatron takes ~5 s
+
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+    )
+
+
+def grid_tensor(
+    batch: Mapping[str, Any], name: str, shape: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """``batch[name]`` as a [b, s] tensor, checked against ``shape`` (default: ``batch['tokens']``'s)."""
+    if name not in batch or batch[name] is None:
+        raise ValueError(f"batch is missing {name!r} (got keys {sorted(batch)})")
+    value = batch[name]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"batch[{name!r}] must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != 2:
+        raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)}; expected [b, s]")
+    if name == "loss_mask":
+        if value.dtype.is_complex:
+            raise TypeError(
+                f"batch['loss_mask'] has dtype {value.dtype}; expected a real or bool mask"
+            )
+    elif value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise TypeError(
+            f"batch[{name!r}] has dtype {value.dtype}; expected integer token ids/positions"
+        )
+    if shape is not None and tuple(value.shape) != shape:
+        raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)} but tokens has {shape}")
+    return value
+
+
+def _row_boundaries(values: np.ndarray, s: int, row: int) -> np.ndarray:
+    """One row's boundaries up to the first ``s``; the rest must be sentinels (-1 or s)."""
+    if len(values) < 2 or values[0] != 0:
+        raise ValueError(
+            f"cu_seqlens row {row} must start with 0 and hold >= 2 boundaries, got {values.tolist()}"
+        )
+    past = values[values > s]
+    if len(past):
+        raise ValueError(
+            f"cu_seqlens row {row} has boundary {int(past[0])} past the sequence length s={s} "
+            f"(row {values.tolist()})"
+        )
+    hits = np.flatnonzero(values == s)
+    if len(hits) == 0:
+        real = values[values >= 0]
+        raise ValueError(
+            f"cu_seqlens row {row} never reaches the sequence length s={s} (last boundary {int(real.max())}; "
+            f"row {values.tolist()}); boundaries must cover the whole row, padding included"
+        )
+    end = int(hits[0])
+    bounds, tail = values[: end + 1], values[end + 1 :]
+    bad_tail = tail[(tail != -1) & (tail != s)]
+    if len(bad_tail):
+        raise ValueError(
+            f"cu_seqlens row {row} has {int(bad_tail[0])} after reaching s={s}; after the last boundary "
+            "only -1 or repeats of s may follow"
+        )
+    step = np.diff(bounds)
+    if (step <= 0).any():
+        i = int(np.flatnonzero(step <= 0)[0])
+        raise ValueError(
+            f"cu_seqlens row {row} is not strictly increasing: {int(bounds[i + 1])} follows "
+            f"{int(bounds[i])} at index {i + 1} (row {values.tolist()})"
+        )
+    return bounds
+
+
+def _check_dtype(name: str, value: torch.Tensor, want: torch.dtype) -> None:
+    if value.dtype != want:
+        raise TypeError(f"{name} has dtype {value.dtype}; expected {want}")
+
+
+def _check_cu(name: str, cu: Any) -> list[int]:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dim() != 1:
+        raise ValueError(f"{name} has shape {tuple(cu.shape)}; expected 1-D [n + 1]")
+    _check_dtype(name, cu, CU_DTYPE)
+    values = cu.tolist()
+    if len(values) < 2 or values[0] != 0:
+        raise ValueError(f"{name} must start at 0 and hold >= 2 entries, got {values[:8]}")
+    for i in range(1, len(values)):
+        if values[i] <= values[i - 1]:
+            raise ValueError(
+                f"{name} is not strictly increasing: {values[i]} follows {values[i - 1]} at index {i}"
+            )
+    return values
+
+
+def _document_arrays(index: int, doc: Document) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, target mask) of one document as numpy arrays."""
+    mask: Any = None
+    if isinstance(doc, Mapping):
+        if "tokens" not in doc:
+            raise ValueError(f"docs[{index}] is a dict without 'tokens' (keys {sorted(doc)})")
+        raw, mask = doc["tokens"], doc.get("loss_mask")
+    else:
+        raw = doc
+    tokens = np.asarray(raw.detach().cpu() if isinstance(raw, torch.Tensor) else raw)
+    if tokens.ndim != 1 or len(tokens) == 0:
+        raise ValueError(
+            f"docs[{index}] must be a non-empty 1-D token sequence, got shape {tokens.shape}"
+        )
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise TypeError(f"docs[{index}] tokens must be integers, got dtype {tokens.dtype}")
+    if mask is None:
+        return tokens.astype(np.int64), np.ones(len(tokens), dtype=np.float32)
+    mask_arr = np.asarray(
+        mask.detach().cpu() if isinstance(mask, torch.Tensor) else mask, dtype=np.float32
+    )
+    if mask_arr.shape != tokens.shape:
+        raise ValueError(
+            f"docs[{index}] loss_mask has {mask_arr.shape[0] if mask_arr.ndim else 0} entries "
+            f"but the document has {len(tokens)} tokens"
+        )
+    return tokens.astype(np.int64), mask_arr

@@ -1,0 +1,1 @@
+"""Helpers for tests of megapack and of users' own training code (worker pool, grids)."""

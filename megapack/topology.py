@@ -1,0 +1,196 @@
+"""Where this rank sits in the tensor- and pipeline-parallel grid, as one frozen object.
+
+megapack keeps no module-level process groups: build a `Topology` once, from megatron-core's
+``parallel_state`` (`Topology.from_parallel_state`) or from groups a script manages itself
+(`Topology.from_groups`), and pass it to the functions that communicate.
+
+Pipeline stages (``Stage``), for ``pp_size`` stages and optional virtual chunks:
+
+    pp_size == 1                          -> ONLY   (holds embedding and loss)
+    pp_rank == 0 and first virtual chunk  -> FIRST  (embedding: needs tokens, position_ids)
+    last pp_rank and last virtual chunk   -> LAST   (loss: needs labels, loss_mask)
+    anything else                         -> MIDDLE (only attention metadata)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+class Stage(enum.Enum):
+    """The role of a pipeline stage, which decides the fields it receives."""
+
+    ONLY = "only"
+    FIRST = "first"
+    MIDDLE = "middle"
+    LAST = "last"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Topology:
+    """One rank's place in the tp x pp grid.
+
+    Example, tp=2 x pp=2 on 4 ranks with Megatron's default order (tp fastest): global rank 3 has
+    ``tp_ranks=(2, 3)``, ``tp_rank=1``, ``pp_rank=1``, ``pp_size=2``; it is a receiver on the LAST
+    stage and its TP source is global rank 2.
+    """
+
+    tp_group: dist.ProcessGroup | None
+    """Process group of this rank's tensor-parallel peers; None when ``tp_ranks`` has one rank."""
+    tp_ranks: tuple[int, ...]
+    """Global ranks of the TP group in TP-rank order. ``tp_ranks[0]`` is the source that reads data."""
+    tp_rank: int
+    """This rank's index in ``tp_ranks``."""
+    pp_rank: int = 0
+    """This rank's pipeline stage index, 0-based."""
+    pp_size: int = 1
+    """Number of pipeline stages."""
+    vp_stage: int | None = None
+    """Virtual pipeline chunk this call serves (interleaved schedules), or None."""
+    vp_size: int | None = None
+    """Number of virtual chunks per stage, or None without virtual pipelining."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Device of the tensors every TP rank returns: CUDA for NCCL groups, CPU for gloo."""
+
+    def __post_init__(self) -> None:
+        if not self.tp_ranks:
+            raise ValueError("Topology.tp_ranks is empty; it must list the TP group's global ranks")
+        if not 0 <= self.tp_rank < len(self.tp_ranks):
+            raise ValueError(f"Topology.tp_rank={self.tp_rank} is outside tp_ranks={self.tp_ranks}")
+        if len(self.tp_ranks) > 1 and self.tp_group is None:
+            raise ValueError(f"Topology.tp_group is None but tp_ranks={self.tp_ranks} has peers")
+        if self.pp_size < 1 or not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"Topology.pp_rank={self.pp_rank} is outside pp_size={self.pp_size}")
+        if (self.vp_size is None) != (self.vp_stage is None):
+            raise ValueError(
+                f"Topology.vp_stage={self.vp_stage} and vp_size={self.vp_size}: give both or neither"
+            )
+        if (
+            self.vp_size is not None
+            and self.vp_stage is not None
+            and not 0 <= self.vp_stage < self.vp_size
+        ):
+            raise ValueError(f"Topology.vp_stage={self.vp_stage} is outside vp_size={self.vp_size}")
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.tp_ranks)
+
+    @property
+    def src_rank(self) -> int:
+        """Global rank of the TP source (TP rank 0), the only rank that reads the data iterator."""
+        return self.tp_ranks[0]
+
+    @property
+    def is_source(self) -> bool:
+        return self.tp_rank == 0
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0 and (self.vp_stage is None or self.vp_stage == 0)
+
+    @property
+    def is_last_stage(self) -> bool:
+        last_chunk = self.vp_stage is None or self.vp_stage == (self.vp_size or 1) - 1
+        return self.pp_rank == self.pp_size - 1 and last_chunk
+
+    @property
+    def stage(self) -> Stage:
+        if self.is_first_stage and self.is_last_stage:
+            return Stage.ONLY
+        if self.is_first_stage:
+            return Stage.FIRST
+        if self.is_last_stage:
+            return Stage.LAST
+        return Stage.MIDDLE
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> Topology:
+        """A topology of one rank (tp=1, pp=1): no communication at all."""
+        return cls(tp_group=None, tp_ranks=(0,), tp_rank=0, device=torch.device(device))
+
+    @classmethod
+    def from_groups(
+        cls,
+        tp_group: dist.ProcessGroup | None,
+        *,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        vp_stage: int | None = None,
+        vp_size: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> Topology:
+        """Build a topology from a TP process group a script created itself.
+
+        Args:
+            tp_group: this rank's TP group (from ``dist.new_group``); None for tp=1.
+            pp_rank, pp_size: this rank's pipeline stage and the number of stages.
+            vp_stage, vp_size: virtual pipeline chunk and chunk count, or None.
+            device: where returned tensors live; by default CUDA's current device when the group
+                uses NCCL, else CPU.
+        """
+        if tp_group is None:
+            ranks: tuple[int, ...] = (dist.get_rank() if dist.is_initialized() else 0,)
+            tp_rank = 0
+        else:
+            ranks = tuple(dist.get_process_group_ranks(tp_group))
+            tp_rank = dist.get_rank(tp_group)
+            if tp_rank < 0:
+                raise ValueError(
+                    f"this rank ({dist.get_rank()}) is not a member of tp_group {ranks}"
+                )
+        return cls(
+            tp_group=tp_group if len(ranks) > 1 else None,
+            tp_ranks=ranks,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            vp_stage=vp_stage,
+            vp_size=vp_size,
+            device=torch.device(device) if device is not None else default_device(tp_group),
+        )
+
+    @classmethod
+    def from_parallel_state(cls, *, vp_stage: int | None = None) -> Topology:
+        """Read this rank's place from megatron-core's initialized ``parallel_state``.
+
+        Args:
+            vp_stage: the virtual pipeline chunk being served, required when megatron-core was
+                initialized with ``virtual_pipeline_model_parallel_size``.
+        """
+        from megatron.core import parallel_state as ps  # lazy: importing megatron takes ~5 s
+
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError(
+                "megatron-core parallel_state is not initialized: call "
+                "parallel_state.initialize_model_parallel(...) first, or pass topology=Topology.from_groups(...)"
+            )
+        vp_size = ps.get_virtual_pipeline_model_parallel_world_size()
+        if vp_size is not None and vp_stage is None:
+            raise ValueError(
+                f"virtual pipeline parallelism is on (vp_size={vp_size}): pass vp_stage= for the model chunk"
+            )
+        if vp_size is None and vp_stage is not None:
+            raise ValueError(f"vp_stage={vp_stage} given but virtual pipeline parallelism is off")
+        group = ps.get_tensor_model_parallel_group()
+        return cls.from_groups(
+            group if ps.get_tensor_model_parallel_world_size() > 1 else None,
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            vp_stage=vp_stage,
+            vp_size=vp_size,
+        )
+
+
+def default_device(group: dist.ProcessGroup | None) -> torch.device:
+    """CUDA's current device when ``group`` (or the default group) communicates over NCCL, else CPU."""
+    if not dist.is_initialized():
+        return torch.device("cpu")
+    backend = dist.get_backend(group) if group is not None else dist.get_backend()
+    if "nccl" in str(backend).lower() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,22 @@
+"""Packaging for megapack. Tool settings (ruff, mypy, pytest) live in pyproject.toml."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megapack",
+    version="0.1.0",
+    description="Packed-sequence (THD) batches for Megatron-style tp x pp training that never hang.",
+    long_description=(Path(__file__).parent / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megapack", "megapack.*"]),
+    install_requires=["torch>=2.4", "numpy>=1.24", "megatron-core>=0.12"],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ruff>=0.6", "mypy>=1.10"],
+        "flash": ["flash-attn>=2.6"],
+        "te": ["transformer-engine[pytorch]>=1.13"],
+    },
+    entry_points={"console_scripts": ["megapack=megapack.cli:main"]},
+)

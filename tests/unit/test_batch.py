@@ -1,0 +1,239 @@
+"""PackedBatch: worked examples, Megatron SFT merging, validation errors, and a randomized reference check."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from megapack import PackedBatch
+
+
+def test_worked_example_lengths_3_2_4() -> None:
+    b = PackedBatch.from_documents([[5, 6, 7], [8, 9], [1, 2, 3, 4]], pad_token_id=0)
+    assert b.cu_seqlens.tolist() == [0, 3, 5, 9]
+    assert b.cu_seqlens.dtype == torch.int32 and b.cu_seqlens.dim() == 1
+    assert b.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert b.tokens.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    # No position is trained to predict another document's first token.
+    assert b.labels.tolist() == [[6, 7, 0, 9, 0, 2, 3, 4, 0]]
+    assert b.loss_mask.tolist() == [[1, 1, 0, 1, 0, 1, 1, 1, 0]]
+    assert b.max_seqlen == 4 and type(b.max_seqlen) is int
+    assert b.cu_seqlens_padded is None
+    assert (b.tokens.dtype, b.labels.dtype, b.position_ids.dtype) == (torch.int64,) * 3
+    assert b.loss_mask.dtype == torch.float32
+
+
+def test_seq_len_padding_is_its_own_segment() -> None:
+    b = PackedBatch.from_documents([[5, 6, 7], [8, 9]], seq_len=8, pad_token_id=-1)
+    assert b.cu_seqlens.tolist() == [0, 3, 5, 8]
+    assert b.tokens.tolist() == [[5, 6, 7, 8, 9, -1, -1, -1]]
+    assert b.loss_mask.tolist() == [[1, 1, 0, 1, 0, 0, 0, 0]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+    assert b.max_seqlen == 3
+
+
+def test_pad_to_multiple_sets_cu_seqlens_padded() -> None:
+    b = PackedBatch.from_documents([[5, 6, 7], [8, 9], [1, 2, 3, 4]], pad_to_multiple_of=4)
+    assert b.cu_seqlens.tolist() == [0, 3, 5, 9]
+    assert b.cu_seqlens_padded is not None
+    assert b.cu_seqlens_padded.tolist() == [0, 4, 8, 12]
+    assert b.tokens.tolist() == [[5, 6, 7, 0, 8, 9, 0, 0, 1, 2, 3, 4]]
+    assert b.loss_mask.tolist() == [[1, 1, 0, 0, 1, 0, 0, 0, 1, 1, 1, 0]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3]]
+    assert b.max_seqlen == 4
+
+
+def test_pad_to_multiple_with_seq_len_extends_last_segment() -> None:
+    b = PackedBatch.from_documents([[5, 6, 7], [8, 9]], pad_to_multiple_of=4, seq_len=12)
+    assert b.cu_seqlens_padded is not None
+    assert b.cu_seqlens_padded.tolist() == [0, 4, 12]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]]
+    assert b.max_seqlen == 8
+
+
+def test_document_loss_mask_marks_learned_tokens() -> None:
+    # Prompt [5, 6] is not learned, completion [7, 8] is: positions predicting 7 and 8 are trained.
+    b = PackedBatch.from_documents([{"tokens": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]}, [1, 2]])
+    assert b.labels.tolist() == [[6, 7, 8, 0, 2, 0]]
+    assert b.loss_mask.tolist() == [[0, 1, 1, 0, 1, 0]]
+
+
+@pytest.mark.parametrize(
+    ("docs", "kwargs", "match"),
+    [
+        ([], {}, "docs is empty"),
+        ([[1, 2], []], {}, r"docs\[1\] must be a non-empty"),
+        ([[1.5, 2.0]], {}, r"docs\[0\] tokens must be integers"),
+        ([{"text": "x"}], {}, r"docs\[0\] is a dict without 'tokens'"),
+        (
+            [{"tokens": [1, 2, 3], "loss_mask": [1, 1]}],
+            {},
+            r"docs\[0\] loss_mask has 2 entries .* 3 tokens",
+        ),
+        ([[1, 2, 3], [4, 5]], {"seq_len": 4}, "need 5 tokens .* seq_len=4"),
+        ([[1, 2, 3]], {"pad_to_multiple_of": 4, "seq_len": 3}, "need 4 tokens"),
+        ([[1, 2, 3]], {"pad_to_multiple_of": 0}, "pad_to_multiple_of must be an int >= 1, got 0"),
+        ([[1, 2, 3]], {"seq_len": 0}, "seq_len must be a positive int"),
+    ],
+)
+def test_from_documents_rejects_bad_input(docs: list, kwargs: dict, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        PackedBatch.from_documents(docs, **kwargs)
+
+
+def sft_dict(rows: list[list[int]], s: int, sentinel: str = "-1") -> dict[str, torch.Tensor]:
+    """A Megatron SFT-style batch: one row of documents per sample, cu_seqlens padded by ``sentinel``."""
+    packed = [
+        PackedBatch.from_documents([list(range(10, 10 + n)) for n in lens], seq_len=s)
+        for lens in rows
+    ]
+    k = max(len(p.cu_seqlens) for p in packed) + 1
+    cu = torch.full((len(rows), k), -1 if sentinel == "-1" else s, dtype=torch.int32)
+    for i, p in enumerate(packed):
+        cu[i, : len(p.cu_seqlens)] = p.cu_seqlens
+    return {
+        "tokens": torch.cat([p.tokens for p in packed]),
+        "labels": torch.cat([p.labels for p in packed]),
+        "loss_mask": torch.cat([p.loss_mask for p in packed]),
+        "position_ids": torch.cat([p.position_ids for p in packed]),
+        "cu_seqlens": cu,
+    }
+
+
+@pytest.mark.parametrize("sentinel", ["-1", "s"])
+def test_megatron_rows_merge_into_thd(sentinel: str) -> None:
+    batch = sft_dict([[3, 5], [2, 2, 4], [8]], s=8, sentinel=sentinel)
+    b = PackedBatch.from_megatron_batch(batch)
+    assert b.cu_seqlens.tolist() == [0, 3, 8, 10, 12, 16, 24]
+    assert b.tokens.shape == (1, 24)
+    assert torch.equal(b.tokens, batch["tokens"].reshape(1, -1))
+    assert torch.equal(b.labels, batch["labels"].reshape(1, -1))
+    assert b.max_seqlen == 8
+
+
+def test_megatron_rows_with_trailing_padding_segment() -> None:
+    b = PackedBatch.from_megatron_batch(sft_dict([[3], [2, 1]], s=6))
+    assert b.cu_seqlens.tolist() == [0, 3, 6, 8, 9, 12]
+
+
+def test_megatron_one_dim_cu_seqlens_for_single_row_and_max_seqlen_tensor() -> None:
+    batch = sft_dict([[3, 5]], s=8)
+    batch["cu_seqlens"] = torch.tensor([0, 3, 8], dtype=torch.int32)
+    batch["max_seqlen"] = torch.tensor([[6]], dtype=torch.int32)
+    b = PackedBatch.from_megatron_batch(batch)
+    assert b.cu_seqlens.tolist() == [0, 3, 8]
+    assert b.max_seqlen == 6 and type(b.max_seqlen) is int
+
+
+@pytest.mark.parametrize(
+    ("cu", "match"),
+    [
+        (
+            [[0, 3, 8, -1], [0, 5, 2, 8]],
+            r"row 1 is not strictly increasing: 2 follows 5 at index 2",
+        ),
+        ([[0, 3, 8, -1], [0, 3, 9, -1]], r"row 1 has boundary 9 past the sequence length s=8"),
+        (
+            [[0, 3, 8, -1], [0, 3, 7, -1]],
+            r"row 1 never reaches the sequence length s=8 \(last boundary 7",
+        ),
+        ([[0, 3, 8, -1], [1, 3, 8, -1]], r"row 1 must start with 0"),
+        ([[0, 3, 8, 5], [0, 3, 8, -1]], r"row 0 has 5 after reaching s=8"),
+        ([[0, 3, 8, -1]], r"cu_seqlens has shape \(1, 4\); expected \[b, k\] with b=2"),
+    ],
+)
+def test_megatron_bad_cu_seqlens_named_with_row(cu: list[list[int]], match: str) -> None:
+    batch = sft_dict([[3, 5], [3, 5]], s=8)
+    batch["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        PackedBatch.from_megatron_batch(batch)
+
+
+def test_megatron_shape_and_dtype_errors_name_the_field() -> None:
+    batch = sft_dict([[3, 5]], s=8)
+    with pytest.raises(
+        ValueError, match=r"batch\['labels'\] has shape \(1, 7\) but tokens has \(1, 8\)"
+    ):
+        PackedBatch.from_megatron_batch({**batch, "labels": batch["labels"][:, :7]})
+    with pytest.raises(TypeError, match=r"batch\['tokens'\] has dtype torch.float32"):
+        PackedBatch.from_megatron_batch({**batch, "tokens": batch["tokens"].float()})
+    with pytest.raises(ValueError, match=r"batch is missing 'position_ids'"):
+        PackedBatch.from_megatron_batch({k: v for k, v in batch.items() if k != "position_ids"})
+    with pytest.raises(
+        ValueError, match=r"max_seqlen=4 is below the longest document \(5 tokens\)"
+    ):
+        PackedBatch.from_megatron_batch({**batch, "max_seqlen": 4})
+
+
+def test_validate_names_field_and_value() -> None:
+    good = PackedBatch.from_documents([[5, 6, 7], [8, 9]])
+    cases = {
+        "cu_seqlens is not strictly increasing: 2 follows 3 at index 2": {
+            "cu_seqlens": torch.tensor([0, 3, 2, 5], dtype=torch.int32)
+        },
+        r"cu_seqlens ends at 4 but the buffer has T=5": {
+            "cu_seqlens": torch.tensor([0, 3, 4], dtype=torch.int32)
+        },
+        r"cu_seqlens has dtype torch.int64; expected torch.int32": {
+            "cu_seqlens": torch.tensor([0, 3, 5])
+        },
+        r"cu_seqlens has shape \(1, 3\); expected 1-D": {
+            "cu_seqlens": torch.tensor([[0, 3, 5]], dtype=torch.int32)
+        },
+        r"labels has shape \(1, 4\) but tokens has \(1, 5\)": {"labels": good.labels[:, :4]},
+        r"tokens has shape \(5,\); THD batches are \[1, T\]": {"tokens": good.tokens[0]},
+        r"loss_mask has dtype torch.int64; expected torch.float32": {
+            "loss_mask": good.loss_mask.long()
+        },
+        r"max_seqlen must be a Python int, got Tensor": {"max_seqlen": torch.tensor(3)},
+        r"max_seqlen=2 is below the longest segment \(3\)": {"max_seqlen": 2},
+        r"cu_seqlens_padded segment 0 holds 2 positions but document 0 has 3 tokens": {
+            "cu_seqlens_padded": torch.tensor([0, 2, 5], dtype=torch.int32)
+        },
+    }
+    for match, change in cases.items():
+        with pytest.raises((ValueError, TypeError), match=match):
+            dataclasses.replace(good, **change).validate()
+
+
+def reference_pack(docs: list[list[int]], pad: int) -> dict[str, list[int]]:
+    """Straightforward per-token construction used as the reference for from_documents."""
+    out: dict[str, list[int]] = {"tokens": [], "labels": [], "mask": [], "pos": [], "cu": [0]}
+    for doc in docs:
+        for j, tok in enumerate(doc):
+            last = j == len(doc) - 1
+            out["tokens"].append(tok)
+            out["labels"].append(pad if last else doc[j + 1])
+            out["mask"].append(0 if last else 1)
+            out["pos"].append(j)
+        out["cu"].append(out["cu"][-1] + len(doc))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_from_documents_matches_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    docs = [
+        rng.integers(1, 50_000, size=int(rng.integers(1, 40))).tolist()
+        for _ in range(int(rng.integers(1, 12)))
+    ]
+    b = PackedBatch.from_documents(docs, pad_token_id=7)
+    ref = reference_pack(docs, pad=7)
+    assert b.tokens[0].tolist() == ref["tokens"]
+    assert b.labels[0].tolist() == ref["labels"]
+    assert b.loss_mask[0].tolist() == ref["mask"]
+    assert b.position_ids[0].tolist() == ref["pos"]
+    assert b.cu_seqlens.tolist() == ref["cu"]
+    assert b.max_seqlen == max(len(d) for d in docs)
+
+
+def test_to_packed_seq_params_is_thd_with_int_maxima() -> None:
+    b = PackedBatch.from_documents([[5, 6, 7], [8, 9]], pad_to_multiple_of=2)
+    p = b.to_packed_seq_params()
+    assert p.qkv_format == "thd"
+    assert p.cu_seqlens_q is b.cu_seqlens and p.cu_seqlens_kv is b.cu_seqlens
+    assert p.cu_seqlens_q_padded is b.cu_seqlens_padded
+    assert p.max_seqlen_q == 4 and type(p.max_seqlen_q) is int and p.max_seqlen_kv == 4
