@@ -1,0 +1,210 @@
+"""pretrain_gpt-style training of a small megatron-core GPT on packed documents, or on the same documents padded.
+
+    torchrun --nproc-per-node 4 examples/pretrain_gpt_packed.py --tp 2 --pp 2            # packed (THD)
+    torchrun --nproc-per-node 4 examples/pretrain_gpt_packed.py --tp 2 --pp 2 --padded   # one document per row
+
+gloo on CPU (megatron-core's CUDA calls redirected by megapack.testing.megatron_on_cpu), NCCL on CUDA.
+The structure follows Megatron-LM's pretrain_gpt.py: ``model_provider``, ``get_batch`` (here
+megapack.get_batch_on_this_tp_rank), ``loss_func``, ``forward_step``, and megatron-core's schedules.
+Every step trains on the same generated documents (lognormal lengths, like SFT data); packed
+mode puts several documents in each row of ``--seq-len`` tokens, padded mode one per row. It prints
+the loss and real (non-padding) tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import megapack
+from megapack.megatron import packed_gpt_layer_spec
+from megapack.testing.gpt import packed_micro_batch, padded_micro_batch
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed")
+warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument(
+        "--padded", action="store_true", help="one document per row, padded to --seq-len"
+    )
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per row")
+    p.add_argument("--mbs", type=int, default=2, help="rows per micro-batch")
+    p.add_argument("--docs", type=int, default=32, help="documents per global batch (every step)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--attention", default="auto", help="PackedAttention backend (auto, sdpa, flex, ...)"
+    )
+    p.add_argument("--seed", type=int, default=1234)
+    return p.parse_args()
+
+
+def model_provider(args: argparse.Namespace, pre_process: bool, post_process: bool) -> Any:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=packed_gpt_layer_spec(args.attention),
+        vocab_size=args.vocab,
+        max_sequence_length=args.seq_len,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+
+
+def documents(args: argparse.Namespace) -> list[list[int]]:
+    """The global batch: lognormal document lengths (median ~seq_len/6), random tokens."""
+    rng = np.random.default_rng(args.seed)
+    lengths = np.clip(
+        rng.lognormal(np.log(args.seq_len / 6), 0.8, args.docs).astype(int), 8, args.seq_len
+    )
+    return [rng.integers(1, args.vocab, n).tolist() for n in lengths]
+
+
+def rows_first_fit(docs: list[list[int]], seq_len: int) -> list[list[list[int]]]:
+    """First-fit decreasing: documents into rows of at most seq_len tokens."""
+    rows: list[list[list[int]]] = []
+    room: list[int] = []
+    for doc in sorted(docs, key=len, reverse=True):
+        slot = next((i for i, r in enumerate(room) if r >= len(doc)), None)
+        if slot is None:
+            rows.append([])
+            room.append(seq_len)
+            slot = len(rows) - 1
+        rows[slot].append(doc)
+        room[slot] -= len(doc)
+    return rows
+
+
+def micro_batches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
+    docs = documents(args)
+    if args.padded:
+        return [
+            padded_micro_batch(docs[i : i + args.mbs], args.seq_len)
+            for i in range(0, len(docs), args.mbs)
+        ]
+    rows = rows_first_fit(docs, args.seq_len)
+    rows += [[[0]]] * (
+        -len(rows) % args.mbs
+    )  # whole micro-batches: a 1-token filler row trains nothing
+    return [
+        packed_micro_batch(rows[i : i + args.mbs], args.seq_len)
+        for i in range(0, len(rows), args.mbs)
+    ]
+
+
+def loss_func(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    mask = loss_mask.float()
+    loss = (output_tensor.float() * mask).sum() / mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(
+    topology: megapack.Topology, data_iterator: Any, model: Any
+) -> tuple[torch.Tensor, Any]:
+    batch = megapack.get_batch_on_this_tp_rank(data_iterator, topology=topology)
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"],
+        labels=batch["labels"], packed_seq_params=batch["packed_seq_params"],
+    )  # fmt: skip
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def main() -> None:
+    args = parse_args()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not cuda:
+        from megapack.testing import megatron_on_cpu
+
+        megatron_on_cpu()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
+    )
+    model_parallel_cuda_manual_seed(args.seed)
+    model = model_provider(args, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+    if cuda:
+        model.cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    topology = megapack.Topology.from_parallel_state()
+    micro = micro_batches(args)
+    real_tokens = int(sum(m["loss_mask"].sum().item() for m in micro))
+    slots = sum(m["tokens"].numel() for m in micro)
+    seq_length, mbs = (args.mbs * args.seq_len, 1) if not args.padded else (args.seq_len, args.mbs)
+    schedule = get_forward_backward_func()
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        mode = "padded" if args.padded else "packed"
+        print(f"{mode}: tp={args.tp} pp={args.pp} {len(args_docs := documents(args))} docs, "
+              f"{len(micro)} micro-batches, {slots} token slots, {real_tokens} trained tokens "
+              f"({real_tokens / slots:.1%} of slots), {sum(map(len, args_docs))} document tokens")  # fmt: skip
+    for step in range(args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        reduced = schedule(
+            forward_step_func=functools.partial(forward_step, topology),
+            data_iterator=iter(micro) if topology.is_source else None,
+            model=[model],
+            num_microbatches=len(micro),
+            seq_length=seq_length,
+            micro_batch_size=mbs,
+            forward_only=False,
+        )
+        optimizer.step()
+        loss = torch.tensor(
+            [np.mean([r["lm loss"].item() for r in reduced]) if reduced else 0.0],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(loss, op=dist.ReduceOp.MAX)  # only the last stage has a loss; others send 0
+        elapsed = time.perf_counter() - start
+        if rank0:
+            print(
+                f"step {step}: loss {loss.item():.4f}  {real_tokens / elapsed:,.0f} real tokens/s  ({elapsed * 1e3:.0f} ms)"
+            )
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
