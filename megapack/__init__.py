@@ -3,18 +3,34 @@
 Importing megapack is cheap: megatron-core (~5 s to import) is loaded only when a function needs it.
 """
 
+from megapack.align import align_by_kind
 from megapack.batch import PackedBatch
-from megapack.errors import ProtocolError, RemoteDataError
+from megapack.comm import long_operation
+from megapack.errors import (
+    CollectiveError,
+    DesyncError,
+    ProtocolError,
+    RemoteDataError,
+    RemoteRankError,
+)
+from megapack.sync import check_in_sync, lockstep
 from megapack.topology import Stage, Topology
 from megapack.transfer import FIELDS, get_batch_on_this_tp_rank
 
 __all__ = [
     "FIELDS",
+    "CollectiveError",
+    "DesyncError",
     "PackedBatch",
     "ProtocolError",
     "RemoteDataError",
+    "RemoteRankError",
     "Stage",
     "Topology",
+    "align_by_kind",
+    "check_in_sync",
     "get_batch_on_this_tp_rank",
+    "lockstep",
+    "long_operation",
 ]
 __version__ = "0.1.0"

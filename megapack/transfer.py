@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from megapack import comm
 from megapack.batch import (
     CU_DTYPE,
     MASK_DTYPE,
@@ -38,6 +38,7 @@ from megapack.batch import (
     make_packed_seq_params,
 )
 from megapack.errors import ProtocolError, RemoteDataError
+from megapack.sync import check_in_sync, debug_sync_enabled
 from megapack.topology import Stage, Topology
 
 ALL_STAGES = frozenset(Stage)
@@ -144,7 +145,10 @@ class Header:
 
 
 def get_batch_on_this_tp_rank(
-    data_iterator: Iterator[Any] | None, *, topology: Topology | None = None
+    data_iterator: Iterator[Any] | None,
+    *,
+    topology: Topology | None = None,
+    timeout: float | None = None,
 ) -> dict[str, Any]:
     """Drop-in for Megatron's ``get_batch_on_this_tp_rank``, correct on every pipeline stage.
 
@@ -158,6 +162,7 @@ def get_batch_on_this_tp_rank(
     Args:
         data_iterator: the source's iterator; ignored on the other TP ranks.
         topology: this rank's place in the grid; default: from megatron-core's ``parallel_state``.
+        timeout: seconds a peer waits for the source (default: $MEGAPACK_TIMEOUT_S or 300).
 
     Returns:
         A dict with exactly the keys ``tokens``, ``labels``, ``loss_mask``, ``attention_mask``,
@@ -170,14 +175,26 @@ def get_batch_on_this_tp_rank(
         StopIteration: on every TP rank, in the same call, when the source's iterator is exhausted.
         RemoteDataError: on TP ranks other than the source when the source failed; the source
             raises its own error (e.g. ValueError naming the bad field, row and value).
+        CollectiveError: when a TP peer is stuck past the timeout or has crashed.
     """
     topo = topology if topology is not None else Topology.from_parallel_state()
+    if topo.tp_size > 1 and debug_sync_enabled():
+        _debug_calls[topo.tp_ranks] = step = _debug_calls.get(topo.tp_ranks, -1) + 1
+        check_in_sync(
+            "megapack.get_batch_on_this_tp_rank", step, group=topo.tp_group, timeout=timeout
+        )
     if topo.is_source:
-        return _send(data_iterator, topo)
-    return _receive(topo)
+        return _send(data_iterator, topo, timeout)
+    return _receive(topo, timeout)
 
 
-def _send(data_iterator: Iterator[Any] | None, topo: Topology) -> dict[str, Any]:
+# Calls per TP group, kept only while $MEGAPACK_DEBUG_SYNC is on, as the step that check_in_sync compares.
+_debug_calls: dict[tuple[int, ...], int] = {}
+
+
+def _send(
+    data_iterator: Iterator[Any] | None, topo: Topology, timeout: float | None
+) -> dict[str, Any]:
     try:
         if data_iterator is None:
             raise ValueError(
@@ -185,33 +202,39 @@ def _send(data_iterator: Iterator[Any] | None, topo: Topology) -> dict[str, Any]
             )
         header, payload = encode(next(data_iterator), topo.stage, topo.device)
     except StopIteration:
-        _broadcast(Header(status=Status.STOP, stage=topo.stage).to_tensor(topo.device), topo)
+        _broadcast(
+            Header(status=Status.STOP, stage=topo.stage).to_tensor(topo.device),
+            topo,
+            timeout,
+            "stop header",
+        )
         raise
     except Exception as exc:
         message = f"{type(exc).__name__}: {exc}".encode()
+        error_header = Header(status=Status.ERROR, stage=topo.stage, nbytes=len(message))
+        _broadcast(error_header.to_tensor(topo.device), topo, timeout, "error header")
         _broadcast(
-            Header(status=Status.ERROR, stage=topo.stage, nbytes=len(message)).to_tensor(
-                topo.device
-            ),
+            torch.frombuffer(bytearray(message), dtype=torch.uint8).to(topo.device),
             topo,
+            timeout,
+            "error message",
         )
-        _broadcast(torch.frombuffer(bytearray(message), dtype=torch.uint8).to(topo.device), topo)
         raise
-    _broadcast(header.to_tensor(topo.device), topo)
+    _broadcast(header.to_tensor(topo.device), topo, timeout, "header")
     if header.nbytes:  # a stage may need nothing at all (plain batch, middle stage, no mask)
-        _broadcast(payload, topo)
+        _broadcast(payload, topo, timeout, "payload")
     return decode(header, payload)
 
 
-def _receive(topo: Topology) -> dict[str, Any]:
+def _receive(topo: Topology, timeout: float | None) -> dict[str, Any]:
     header_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=topo.device)
-    _broadcast(header_t, topo)
+    _broadcast(header_t, topo, timeout, "header")
     header = Header.from_tensor(header_t)
     if header.status == Status.STOP:
         raise StopIteration
     payload = torch.empty(header.nbytes, dtype=torch.uint8, device=topo.device)
     if header.nbytes:
-        _broadcast(payload, topo)
+        _broadcast(payload, topo, timeout, "payload")
     if header.status == Status.ERROR:
         raise RemoteDataError(topo.src_rank, bytes(payload.cpu().tolist()).decode(errors="replace"))
     if header.stage != topo.stage:
@@ -222,9 +245,10 @@ def _receive(topo: Topology) -> dict[str, Any]:
     return decode(header, payload)
 
 
-def _broadcast(tensor: torch.Tensor, topo: Topology) -> None:
+def _broadcast(tensor: torch.Tensor, topo: Topology, timeout: float | None, part: str) -> None:
     if topo.tp_size > 1:
-        dist.broadcast(tensor, src=topo.src_rank, group=topo.tp_group)
+        what = f"get_batch_on_this_tp_rank {part} broadcast from TP source rank {topo.src_rank}"
+        comm.broadcast(tensor, topo.src_rank, group=topo.tp_group, what=what, timeout=timeout)
 
 
 def encode(item: Any, stage: Stage, device: torch.device) -> tuple[Header, torch.Tensor]:

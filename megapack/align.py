@@ -1,0 +1,56 @@
+"""`align_by_kind`: deal micro-batches to ranks so that at every micro-step all ranks hold the same kind.
+
+If rank 0 gets an image micro-batch while rank 1 gets text, only rank 0 enters the vision encoder's
+FSDP all-gather and the job hangs (prime-rl PR #1918). Dealing each kind in whole rounds of
+``num_ranks`` micro-batches, padded per kind with zero-loss micro-batches, removes the mismatch.
+
+Example, 2 ranks, kinds ``[t0, t1, i0, t2]`` (t = text, i = image), padding ``P(i)``:
+    text rounds: (t0, t1), (t2, P(t)); image round: (i0, P(i))
+    rounds ordered by their first original item: (t0, t1), (i0, P(i)), (t2, P(t))
+    rank 0: [t0, i0, t2]    rank 1: [t1, P(i), P(t)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def align_by_kind(
+    micro_batches: Sequence[T],
+    num_ranks: int,
+    *,
+    kind: Callable[[T], Hashable],
+    make_padding: Callable[[T], T],
+) -> list[list[T]]:
+    """Per-rank lists of micro-batches with the same kind at every micro-step.
+
+    Args:
+        micro_batches: all micro-batches of the step, in order.
+        num_ranks: ranks to deal to.
+        kind: the kind of a micro-batch (e.g. ``lambda mb: "image" if "pixel_values" in mb else "text"``).
+        make_padding: builds a padding micro-batch of the same kind from an example of it; it must
+            carry zero loss weight (e.g. ``loss_mask`` all 0) and keep the kind's inputs (e.g.
+            ``pixel_values``) so the same modules run.
+
+    Returns:
+        ``num_ranks`` lists of equal length. Each original micro-batch appears exactly once; each
+        kind gets fewer than ``num_ranks`` padding micro-batches; a single-kind input keeps its
+        order (read round by round, rank by rank).
+    """
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+    by_kind: dict[Hashable, list[tuple[int, T]]] = {}
+    for index, mb in enumerate(micro_batches):
+        by_kind.setdefault(kind(mb), []).append((index, mb))
+    rounds: list[tuple[int, list[T]]] = []
+    for members in by_kind.values():
+        items = [mb for _, mb in members]
+        items += [make_padding(items[0]) for _ in range(-len(items) % num_ranks)]
+        for start in range(0, len(items), num_ranks):
+            first = members[start][0]
+            rounds.append((first, items[start : start + num_ranks]))
+    rounds.sort(key=lambda r: r[0])
+    return [[chunk[rank] for _, chunk in rounds] for rank in range(num_ranks)]

@@ -1,0 +1,288 @@
+"""Fault injection on CPU/gloo: every surviving rank ends with the specified clean stop or exception.
+
+Each case runs under a hard wall clock on a small private worker pool (cases that kill or stall a
+rank restart it, which costs ~2 s for 4 torch-only workers instead of ~18 s for the shared pool).
+megapack's collective timeout is TIMEOUT seconds here, so "within timeout + 5 s" is checked per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+import megapack
+from megapack.testing.grids import grid_topology
+from megapack.testing.pool import WorkerPool
+
+pytestmark = pytest.mark.distributed
+
+TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[WorkerPool]:
+    with WorkerPool(size=4, preload=("torch", "megapack")) as p:
+        yield p
+
+
+def outcome(fn: Any, *args: Any, clock: list[float] | None = None) -> tuple[str, str, float]:
+    """(exception type or "ok", message or value, seconds) of ``fn(*args)`` on this rank.
+
+    Seconds count from ``clock[0]`` when given (the body resets it before the call under test).
+    """
+    clock = clock if clock is not None else [time.perf_counter()]
+    try:
+        value = fn(*args)
+        return ("ok", repr(value), time.perf_counter() - clock[0])
+    except BaseException as exc:  # StopIteration included: it is an expected outcome here
+        return (type(exc).__name__, str(exc), time.perf_counter() - clock[0])
+
+
+# ------------------------------------------------------------------ lockstep
+
+
+def items(n: int, fail_at: int | None = None) -> Iterator[int]:
+    for i in range(n):
+        if i == fail_at:
+            raise OSError(f"shard of rank {dist.get_rank()} is corrupt at item {i}")
+        yield i
+
+
+def run_lockstep(
+    lengths: list[int], fail_rank: int | None = None, fail_at: int | None = None
+) -> Any:
+    rank = dist.get_rank()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = outcome(
+            lambda: list(
+                megapack.lockstep(
+                    items(lengths[rank], fail_at if rank == fail_rank else None), timeout=TIMEOUT
+                )
+            )
+        )
+    return result, [str(w.message) for w in caught]
+
+
+def test_uneven_lengths_stop_together(pool: WorkerPool) -> None:
+    results = pool.run(run_lockstep, 4, [3, 5, 4, 3], timeout=30)
+    for rank, ((kind, value, _), warned) in enumerate(results):
+        assert (kind, value) == ("ok", "[0, 1, 2]"), rank
+        assert bool(warned) == (rank in (1, 2)), (rank, warned)  # they still had data at step 3
+
+
+def test_rank_failing_in_lockstep_reaches_every_rank(pool: WorkerPool) -> None:
+    results = pool.run(run_lockstep, 4, [5, 5, 5, 5], 2, 1, timeout=30)
+    for rank, ((kind, message, seconds), _) in enumerate(results):
+        if rank == 2:
+            assert kind == "OSError" and "corrupt at item 1" in message
+        else:
+            assert kind == "RemoteRankError", (rank, kind, message)
+            assert message.startswith(
+                "rank 2 failed at step 1: OSError: shard of rank 2 is corrupt at item 1"
+            )
+        assert seconds < TIMEOUT + 5
+
+
+def run_lockstep_killed(victim: int) -> Any:
+    def body() -> list[int]:
+        out = []
+        for i in megapack.lockstep(items(10), timeout=TIMEOUT):
+            if i == 2 and dist.get_rank() == victim:
+                os.kill(os.getpid(), signal.SIGKILL)
+            out.append(i)
+        return out
+
+    return outcome(body)
+
+
+def test_killed_rank_ends_lockstep_on_survivors(pool: WorkerPool) -> None:
+    outcomes = pool.run_outcomes(run_lockstep_killed, 3, 1, timeout=30)
+    assert outcomes[1].status == "died" and "SIGKILL" in (outcomes[1].error or "")
+    for o in (outcomes[0], outcomes[2]):
+        kind, message, seconds = o.value
+        assert kind == "CollectiveError", o
+        assert "lockstep step 3" in message and "over ranks [0, 1, 2]" in message
+        assert seconds < TIMEOUT + 5
+
+
+def run_lockstep_stuck(victim: int) -> Any:
+    def body() -> list[int]:
+        out = []
+        for i in megapack.lockstep(items(10), timeout=TIMEOUT):
+            if i == 1 and dist.get_rank() == victim:
+                time.sleep(TIMEOUT + 1.5)
+            out.append(i)
+        return out
+
+    return outcome(body)
+
+
+def test_stuck_rank_times_out_everyone(pool: WorkerPool) -> None:
+    results = pool.run(run_lockstep_stuck, 3, 0, timeout=40)
+    for rank, (kind, message, seconds) in enumerate(results):
+        assert kind == "CollectiveError", (rank, kind, message)
+        # survivors time out; the stuck rank wakes to find its peers gone ("failed") or times out too
+        assert "timed out" in message if rank != 0 else "lockstep step" in message
+        # survivors: within the timeout (+5 s); the stuck rank: its own wait after it wakes up
+        limit = TIMEOUT + 5 if rank != 0 else TIMEOUT + 1.5 + TIMEOUT + 5
+        assert seconds < limit, (rank, seconds)
+
+
+# ------------------------------------------------------------------ get_batch_on_this_tp_rank
+
+
+def batches(n: int) -> Iterator[megapack.PackedBatch]:
+    for i in range(n):
+        yield megapack.PackedBatch.from_documents([[1, 2, 3], [4, 5 + i]])
+
+
+def run_get_batch_fault(fault: str) -> Any:
+    topo = grid_topology(dist.get_world_size(), 1)
+    data = batches(5) if topo.is_source else None
+    clock = [time.perf_counter()]
+
+    def body() -> int:
+        calls = 0
+        while True:
+            clock[0] = time.perf_counter()  # time the call that fails, not the first call's imports
+            if calls == 2 and fault == "kill-receiver" and topo.tp_rank == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if calls == 2 and fault == "stuck-source" and topo.is_source:
+                time.sleep(TIMEOUT + 1.5)
+                return calls
+            if calls == 2 and fault == "receiver-raises" and topo.tp_rank == 1:
+                raise ValueError("receiver's own training code failed")
+            megapack.get_batch_on_this_tp_rank(data, topology=topo, timeout=TIMEOUT)
+            calls += 1
+
+    return outcome(body, clock=clock)
+
+
+def test_get_batch_killed_receiver(pool: WorkerPool) -> None:
+    outcomes = pool.run_outcomes(run_get_batch_fault, 3, "kill-receiver", timeout=30)
+    assert outcomes[2].status == "died"
+    for o in outcomes[:2]:
+        kind, _, seconds = o.value
+        assert kind == "CollectiveError", o  # measured: ~0.04 s, gloo sees the connection close
+        assert seconds < TIMEOUT + 5
+
+
+def test_get_batch_stuck_source(pool: WorkerPool) -> None:
+    results = pool.run(run_get_batch_fault, 3, "stuck-source", timeout=30)
+    assert results[0][0] == "ok"  # the source itself just returned after its sleep
+    for kind, message, seconds in results[1:]:
+        assert (
+            kind == "CollectiveError"
+            and "header broadcast from TP source rank 0 timed out" in message
+        )
+        assert seconds < TIMEOUT + 5
+
+
+def test_get_batch_receiver_raises(pool: WorkerPool) -> None:
+    results = pool.run(run_get_batch_fault, 3, "receiver-raises", timeout=30)
+    assert results[1][0] == "ValueError"
+    for kind, message, seconds in (results[0], results[2]):
+        assert kind == "CollectiveError", (kind, message)
+        assert seconds < TIMEOUT + 5
+
+
+# ------------------------------------------------------------------ check_in_sync, debug switch, long_operation
+
+
+def run_tags(tags: list[str]) -> Any:
+    return outcome(lambda: megapack.check_in_sync(tags[dist.get_rank()], 7, timeout=TIMEOUT))
+
+
+def test_different_tags_raise_desync_on_every_rank(pool: WorkerPool) -> None:
+    results = pool.run(run_tags, 3, ["save/exp_avg", "save/exp_avg", "save/exp_avg_sq"], timeout=30)
+    for kind, message, _ in results:
+        assert kind == "DesyncError"
+        assert (
+            "rank 2: tag 'save/exp_avg_sq' step 7" in message
+            and "rank 0: tag 'save/exp_avg' step 7" in message
+        )
+    assert [r[0] for r in pool.run(run_tags, 3, ["same"] * 3, timeout=30)] == ["ok"] * 3
+
+
+def run_debug_mixed_calls() -> Any:
+    os.environ["MEGAPACK_DEBUG_SYNC"] = "1"
+    try:
+        topo = grid_topology(2, 1)
+        if dist.get_rank() == 0:
+            return outcome(
+                lambda: megapack.get_batch_on_this_tp_rank(
+                    batches(1), topology=topo, timeout=TIMEOUT
+                )
+            )
+        return outcome(
+            lambda: list(megapack.lockstep(items(1), group=topo.tp_group, timeout=TIMEOUT))
+        )
+    finally:
+        del os.environ["MEGAPACK_DEBUG_SYNC"]
+
+
+def test_debug_switch_catches_ranks_in_different_calls(pool: WorkerPool) -> None:
+    for kind, message, _ in pool.run(run_debug_mixed_calls, 2, timeout=30):
+        assert kind == "DesyncError"
+        assert "megapack.get_batch_on_this_tp_rank" in message and "megapack.lockstep" in message
+
+
+def run_export(work_s: float, extend: bool) -> Any:
+    """Rank 0 works ``work_s`` seconds (a checkpoint export) while the others wait in a collective."""
+    os.environ["MEGAPACK_TIMEOUT_S"] = "1"
+    before = megapack.comm.group_timeout(None)
+
+    def body() -> str:
+        context = (
+            megapack.long_operation(None, timeout=work_s + 10)
+            if extend
+            else contextlib.nullcontext()
+        )
+        with context:
+            inside = megapack.comm.group_timeout(None).total_seconds()
+            if dist.get_rank() == 0:
+                time.sleep(work_s)
+            megapack.check_in_sync("after-export", 1)
+        return f"{inside:g}"
+
+    try:
+        return (
+            outcome(body),
+            megapack.comm.group_timeout(None) == before,
+            megapack.comm.collective_timeout(),
+        )
+    finally:
+        del os.environ["MEGAPACK_TIMEOUT_S"]
+
+
+def test_long_operation_lengthens_then_restores(pool: WorkerPool) -> None:
+    # megapack's short timeout is 1 s in the workers; rank 0 works 2.5 s.
+    for (kind, inside, _), restored, short in pool.run(run_export, 3, 2.5, True, timeout=30):
+        assert (kind, inside) == ("ok", "'12.5'")
+        assert restored and short == 1.0
+    without = pool.run(run_export, 3, 2.5, False, timeout=30)
+    for rank, ((kind, message, _), _, _) in enumerate(without[1:], start=1):
+        assert kind == "CollectiveError" and "timed out" in message, (rank, message)
+
+
+def test_timeout_setting_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEGAPACK_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match=r"\$MEGAPACK_TIMEOUT_S='soon' is not a number"):
+        megapack.comm.collective_timeout()
+    monkeypatch.setenv("MEGAPACK_TIMEOUT_S", "-3")
+    with pytest.raises(
+        ValueError, match=r"\$MEGAPACK_TIMEOUT_S must be a positive number of seconds, got -3.0"
+    ):
+        megapack.comm.collective_timeout()
+    assert megapack.comm.collective_timeout(7) == 7.0
+    monkeypatch.delenv("MEGAPACK_TIMEOUT_S")
+    assert megapack.comm.collective_timeout() == 300.0
