@@ -15,7 +15,8 @@ from megapack.errors import (
 )
 from megapack.sync import check_in_sync, lockstep
 from megapack.topology import Stage, Topology
-from megapack.transfer import FIELDS, get_batch_on_this_tp_rank
+from megapack.transfer import get_batch_on_this_tp_rank
+from megapack.wire import FIELDS
 
 __all__ = [
     "FIELDS",

@@ -1,147 +1,63 @@
-"""Ship one micro-batch from the TP source rank to its TP peers in two collectives.
+"""`get_batch_on_this_tp_rank`: one micro-batch from the TP source to its peers, usually in one broadcast.
 
 Megatron's ``get_batch_on_this_tp_rank`` broadcasts each tensor separately (5-12 collectives a
-micro-batch, plus a size broadcast and host sync for ``cu_seqlens``), and its sender and receiver
-code are written out by hand for each pipeline-stage case, which is how middle stages ended up
-receiving no ``cu_seqlens`` at all. Here one table, `FIELDS`, says which stage needs which field,
-and both ends derive everything from it:
+micro-batch, plus a size broadcast and a host sync for ``cu_seqlens``). Here a call is one frame,
 
-1. the source fetches and validates a batch, then broadcasts a fixed 16 x int64 header (status,
-   layout, shapes, ``max_seqlen``, a bitmask of the fields that follow, payload bytes);
-2. it broadcasts one flat uint8 payload: the fields its stage needs, each 8-byte aligned.
-   Every rank, the source included, slices the same payload into views, so all TP ranks return
-   identical values, shapes, dtypes and None-ness.
+    [ 128-byte header | payload (the stage's fields, `megapack.wire`) | slack ]
 
-Cost per call: 2 collectives (1 for a clean stop), no O(seq_len) metadata, and on NCCL one
-device-to-host copy (the header) on receivers. A failure on the source while fetching or
-validating is sent instead of a batch: the source re-raises its own error and every peer raises
-`RemoteDataError`, within one collective's latency instead of at a watchdog timeout.
+broadcast from the TP source. Receivers must allocate the frame before they know the batch, so
+every TP group keeps a payload *capacity* that all its ranks derive from the same headers without
+talking: a payload that fits travels inside the frame (1 collective); one that does not follows in
+a second broadcast (2 collectives) and the capacity grows to it plus 1/8 slack (and shrinks again
+when payloads fall under a quarter of it). With a fixed sequence length only the first call, and
+a call with unusually many documents, take two. A clean stop is one collective; tp=1 none.
+
+A failure on the source while fetching or validating is sent in place of a batch: the source
+re-raises its own error and every peer raises `RemoteDataError` within one collective's latency.
+Receivers make one device-to-host copy per call on NCCL (the header). Collectives wait at most
+the megapack timeout (`megapack.comm`) and then raise `CollectiveError`.
 """
 
 from __future__ import annotations
 
-import enum
-import math
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megapack import comm
-from megapack.batch import (
-    CU_DTYPE,
-    MASK_DTYPE,
-    TOKEN_DTYPE,
-    PackedBatch,
-    grid_tensor,
-    make_packed_seq_params,
-)
 from megapack.errors import ProtocolError, RemoteDataError
 from megapack.sync import check_in_sync, debug_sync_enabled
-from megapack.topology import Stage, Topology
-
-ALL_STAGES = frozenset(Stage)
-FIRST = frozenset({Stage.ONLY, Stage.FIRST})
-LAST = frozenset({Stage.ONLY, Stage.LAST})
-
-
-@dataclass(frozen=True, slots=True)
-class Field:
-    """One tensor of a batch on the wire: its name, wire dtype, the stages that get it, its shape kind."""
-
-    name: str
-    dtype: torch.dtype
-    stages: frozenset[Stage]
-    shape: str
-    """"grid" ([rows, cols]), "cu" / "cu_padded" (1-D, length in the header), "mask" (4-D, header)."""
-
-
-# The one table: which pipeline stage receives which tensor. Sender and receivers both read it.
-FIELDS: tuple[Field, ...] = (
-    Field("tokens", TOKEN_DTYPE, FIRST, "grid"),
-    Field("position_ids", TOKEN_DTYPE, FIRST, "grid"),
-    Field("labels", TOKEN_DTYPE, LAST, "grid"),
-    Field("loss_mask", MASK_DTYPE, LAST, "grid"),
-    Field("attention_mask", torch.bool, ALL_STAGES, "mask"),
-    Field("cu_seqlens", CU_DTYPE, ALL_STAGES, "cu"),
-    Field("cu_seqlens_padded", CU_DTYPE, ALL_STAGES, "cu_padded"),
+from megapack.topology import Topology
+from megapack.wire import (
+    FIELDS,
+    HEADER_BYTES,
+    OUTPUT_KEYS,
+    Header,
+    Status,
+    decode,
+    encode_chunks,
+    join,
 )
-OUTPUT_KEYS = (
-    "tokens",
-    "labels",
-    "loss_mask",
-    "attention_mask",
-    "position_ids",
-    "cu_seqlens",
-    "cu_seqlens_padded",
-    "max_seqlen",
-    "packed_seq_params",
-)
-PLAIN_KEYS = frozenset({"tokens", "labels", "loss_mask", "position_ids", "attention_mask"})
-PACKED_KEYS = PLAIN_KEYS | {"cu_seqlens", "max_seqlen", "cu_seqlens_argmin"}
 
-MAGIC = 0x4D50_0001  # "MP" + protocol version 1
-HEADER_LEN = 16
-STAGE_CODES = {stage: i for i, stage in enumerate(Stage)}
+__all__ = ["FIELDS", "OUTPUT_KEYS", "get_batch_on_this_tp_rank"]
 
 
-class Status(enum.IntEnum):
-    OK = 0
-    STOP = 1
-    ERROR = 2
+@dataclass(slots=True)
+class _GroupState:
+    """Per TP group, identical on all its ranks: every field changes only on what all ranks saw."""
+
+    capacity: int = 0
+    """Payload bytes the next frame carries inline."""
+    calls: int = 0
+    """Calls so far, the step $MEGAPACK_DEBUG_SYNC's check compares."""
 
 
-class Layout(enum.IntEnum):
-    PACKED = 0  # THD [1, T] with cu_seqlens
-    PLAIN = 1  # Megatron pretraining [b, s], attention_mask optional
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Header:
-    """The fixed-size message that precedes every payload. Slot 15 is reserved (zero)."""
-
-    status: Status
-    stage: Stage
-    layout: Layout = Layout.PACKED
-    rows: int = 0
-    cols: int = 0
-    n_cu: int = 0
-    n_cu_padded: int = 0
-    max_seqlen: int = -1
-    field_mask: int = 0
-    nbytes: int = 0
-    mask_shape: tuple[int, int, int, int] = (0, 0, 0, 0)
-
-    def to_tensor(self, device: torch.device) -> torch.Tensor:
-        values = [MAGIC, self.status, STAGE_CODES[self.stage], self.layout, self.rows, self.cols]
-        values += [self.n_cu, self.n_cu_padded, self.max_seqlen, self.field_mask, self.nbytes]
-        values += list(self.mask_shape)
-        values += [0] * (HEADER_LEN - len(values))
-        return torch.tensor(values, dtype=torch.int64).to(device)
-
-    @classmethod
-    def from_tensor(cls, tensor: torch.Tensor) -> Header:
-        v = tensor.tolist()  # the one device-to-host sync of a receiver
-        if v[0] != MAGIC:
-            raise ProtocolError(
-                f"megapack header magic {v[0]:#x} != {MAGIC:#x}: TP ranks are out of step (every TP rank "
-                "must call get_batch_on_this_tp_rank once per micro-step) or run different megapack versions"
-            )
-        stage = list(Stage)[v[2]]
-        return cls(
-            status=Status(v[1]), stage=stage, layout=Layout(v[3]), rows=v[4], cols=v[5], n_cu=v[6],
-            n_cu_padded=v[7], max_seqlen=v[8], field_mask=v[9], nbytes=v[10],
-            mask_shape=(v[11], v[12], v[13], v[14]),
-        )  # fmt: skip
-
-    def shape_of(self, field: Field) -> tuple[int, ...]:
-        return {
-            "grid": (self.rows, self.cols),
-            "cu": (self.n_cu,),
-            "cu_padded": (self.n_cu_padded,),
-            "mask": self.mask_shape,
-        }[field.shape]
+# Keyed weakly by the TP process group: the state lives exactly as long as the group.
+_states: weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupState] = weakref.WeakKeyDictionary()
 
 
 def get_batch_on_this_tp_rank(
@@ -167,7 +83,7 @@ def get_batch_on_this_tp_rank(
     Returns:
         A dict with exactly the keys ``tokens``, ``labels``, ``loss_mask``, ``attention_mask``,
         ``position_ids``, ``cu_seqlens``, ``cu_seqlens_padded``, ``max_seqlen`` and
-        ``packed_seq_params``; a field this stage does not need is None (table `FIELDS`).
+        ``packed_seq_params``; a field this stage does not need is None (`megapack.wire.FIELDS`).
         Packed batches give ``cu_seqlens`` 1-D int32, ``max_seqlen`` a Python int and
         ``attention_mask`` None, on every stage.
 
@@ -178,63 +94,74 @@ def get_batch_on_this_tp_rank(
         CollectiveError: when a TP peer is stuck past the timeout or has crashed.
     """
     topo = topology if topology is not None else Topology.from_parallel_state()
+    state = (
+        _GroupState() if topo.tp_group is None else _states.setdefault(topo.tp_group, _GroupState())
+    )
+    state.calls += 1
     if topo.tp_size > 1 and debug_sync_enabled():
-        _debug_calls[topo.tp_ranks] = step = _debug_calls.get(topo.tp_ranks, -1) + 1
         check_in_sync(
-            "megapack.get_batch_on_this_tp_rank", step, group=topo.tp_group, timeout=timeout
+            "megapack.get_batch_on_this_tp_rank",
+            state.calls - 1,
+            group=topo.tp_group,
+            timeout=timeout,
         )
     if topo.is_source:
-        return _send(data_iterator, topo, timeout)
-    return _receive(topo, timeout)
-
-
-# Calls per TP group, kept only while $MEGAPACK_DEBUG_SYNC is on, as the step that check_in_sync compares.
-_debug_calls: dict[tuple[int, ...], int] = {}
+        return _send(data_iterator, topo, state, timeout)
+    return _receive(topo, state, timeout)
 
 
 def _send(
-    data_iterator: Iterator[Any] | None, topo: Topology, timeout: float | None
+    data_iterator: Iterator[Any] | None, topo: Topology, state: _GroupState, timeout: float | None
 ) -> dict[str, Any]:
+    error: Exception | None = None
     try:
         if data_iterator is None:
             raise ValueError(
                 f"data_iterator is None on TP source rank {topo.src_rank}; the source must get an iterator"
             )
-        header, payload = encode(next(data_iterator), topo.stage, topo.device)
+        header, chunks = encode_chunks(next(data_iterator), topo.stage, topo.device)
     except StopIteration:
-        _broadcast(
-            Header(status=Status.STOP, stage=topo.stage).to_tensor(topo.device),
-            topo,
-            timeout,
-            "stop header",
-        )
-        raise
+        header, chunks = Header(status=Status.STOP, stage=topo.stage), []
     except Exception as exc:
-        message = f"{type(exc).__name__}: {exc}".encode()
-        error_header = Header(status=Status.ERROR, stage=topo.stage, nbytes=len(message))
-        _broadcast(error_header.to_tensor(topo.device), topo, timeout, "error header")
-        _broadcast(
-            torch.frombuffer(bytearray(message), dtype=torch.uint8).to(topo.device),
-            topo,
-            timeout,
-            "error message",
+        message = torch.frombuffer(
+            bytearray(f"{type(exc).__name__}: {exc}".encode()), dtype=torch.uint8
         )
-        raise
-    _broadcast(header.to_tensor(topo.device), topo, timeout, "header")
-    if header.nbytes:  # a stage may need nothing at all (plain batch, middle stage, no mask)
+        header, chunks, error = (
+            Header(status=Status.ERROR, stage=topo.stage, nbytes=message.numel()),
+            [message.to(topo.device)],
+            exc,
+        )
+    capacity = state.capacity
+    inline = header.nbytes <= capacity
+    slack = capacity - header.nbytes if inline else capacity
+    frame = join([header.to_tensor(topo.device).view(torch.uint8), *(chunks if inline else []),
+                  torch.zeros(slack, dtype=torch.uint8, device=topo.device)], topo.device)  # fmt: skip
+    _broadcast(frame, topo, timeout, "frame")
+    payload = (
+        frame[HEADER_BYTES : HEADER_BYTES + header.nbytes] if inline else join(chunks, topo.device)
+    )
+    if not inline:
         _broadcast(payload, topo, timeout, "payload")
+    _settle(state, header)
+    if header.status == Status.STOP:
+        raise StopIteration
+    if error is not None:
+        raise error
     return decode(header, payload)
 
 
-def _receive(topo: Topology, timeout: float | None) -> dict[str, Any]:
-    header_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=topo.device)
-    _broadcast(header_t, topo, timeout, "header")
-    header = Header.from_tensor(header_t)
+def _receive(topo: Topology, state: _GroupState, timeout: float | None) -> dict[str, Any]:
+    frame = torch.empty(HEADER_BYTES + state.capacity, dtype=torch.uint8, device=topo.device)
+    _broadcast(frame, topo, timeout, "frame")
+    header = Header.from_tensor(frame[:HEADER_BYTES].view(torch.int64))
+    if header.nbytes <= state.capacity:
+        payload = frame[HEADER_BYTES : HEADER_BYTES + header.nbytes]
+    else:
+        payload = torch.empty(header.nbytes, dtype=torch.uint8, device=topo.device)
+        _broadcast(payload, topo, timeout, "payload")
+    _settle(state, header)
     if header.status == Status.STOP:
         raise StopIteration
-    payload = torch.empty(header.nbytes, dtype=torch.uint8, device=topo.device)
-    if header.nbytes:
-        _broadcast(payload, topo, timeout, "payload")
     if header.status == Status.ERROR:
         raise RemoteDataError(topo.src_rank, bytes(payload.cpu().tolist()).decode(errors="replace"))
     if header.stage != topo.stage:
@@ -245,112 +172,16 @@ def _receive(topo: Topology, timeout: float | None) -> dict[str, Any]:
     return decode(header, payload)
 
 
+def _settle(state: _GroupState, header: Header) -> None:
+    """Resize the inline capacity from a batch header: the same rule, from the same bytes, on every rank."""
+    if header.status != Status.OK:
+        return
+    n = header.nbytes
+    if n > state.capacity or n < state.capacity // 4:
+        state.capacity = -(-(n + n // 8 + 256) // 1024) * 1024
+
+
 def _broadcast(tensor: torch.Tensor, topo: Topology, timeout: float | None, part: str) -> None:
     if topo.tp_size > 1:
         what = f"get_batch_on_this_tp_rank {part} broadcast from TP source rank {topo.src_rank}"
         comm.broadcast(tensor, topo.src_rank, group=topo.tp_group, what=what, timeout=timeout)
-
-
-def encode(item: Any, stage: Stage, device: torch.device) -> tuple[Header, torch.Tensor]:
-    """Validate one batch from the data iterator and lay out what ``stage`` needs as bytes."""
-    layout, tensors, max_seqlen = normalize(item)
-    tokens = tensors["tokens"]
-    assert tokens is not None  # normalize() always returns tokens
-    chosen = [
-        (f, t) for f in FIELDS if stage in f.stages and (t := tensors.get(f.name)) is not None
-    ]
-    chunks, nbytes = [], 0
-    for f, t in chosen:
-        raw = t.to(device=device, dtype=f.dtype).contiguous().reshape(-1).view(torch.uint8)
-        chunks.append(raw)
-        nbytes += raw.numel()
-        if pad := -nbytes % 8:
-            chunks.append(torch.zeros(pad, dtype=torch.uint8, device=device))
-            nbytes += pad
-    mask = tensors.get("attention_mask")
-    header = Header(
-        status=Status.OK,
-        stage=stage,
-        layout=layout,
-        rows=int(tokens.shape[0]),
-        cols=int(tokens.shape[1]),
-        n_cu=_numel(tensors.get("cu_seqlens")),
-        n_cu_padded=_numel(tensors.get("cu_seqlens_padded")),
-        max_seqlen=-1 if max_seqlen is None else max_seqlen,
-        field_mask=sum(1 << FIELDS.index(f) for f, _ in chosen),
-        nbytes=nbytes,
-        mask_shape=(0, 0, 0, 0) if mask is None else tuple(mask.shape),  # type: ignore[arg-type]
-    )
-    payload = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=device)
-    return header, payload
-
-
-def decode(header: Header, payload: torch.Tensor) -> dict[str, Any]:
-    """Slice the payload into the output dict; identical on the source and its peers."""
-    out: dict[str, Any] = dict.fromkeys(OUTPUT_KEYS)
-    offset = 0
-    for i, f in enumerate(FIELDS):
-        if not header.field_mask >> i & 1:
-            continue
-        shape = header.shape_of(f)
-        size = math.prod(shape) * f.dtype.itemsize
-        out[f.name] = payload[offset : offset + size].view(f.dtype).view(shape)
-        offset += size + (-size % 8)
-    if header.layout == Layout.PACKED:
-        out["max_seqlen"] = header.max_seqlen
-        out["packed_seq_params"] = make_packed_seq_params(
-            out["cu_seqlens"], out["cu_seqlens_padded"], header.max_seqlen
-        )
-    return out
-
-
-def normalize(item: Any) -> tuple[Layout, dict[str, torch.Tensor | None], int | None]:
-    """(layout, tensors by field name, max_seqlen) of one item from the data iterator, validated."""
-    if isinstance(item, PackedBatch):
-        batch = item.validate()
-    elif isinstance(item, Mapping):
-        allowed = PACKED_KEYS if item.get("cu_seqlens") is not None else PLAIN_KEYS
-        unknown = sorted(set(item) - allowed)
-        if unknown:
-            raise ValueError(
-                f"batch has unexpected keys {unknown}; megapack transfers {sorted(allowed)} "
-                "(drop the extra keys or carry them yourself)"
-            )
-        if item.get("cu_seqlens") is None:
-            return Layout.PLAIN, _plain_tensors(item), None
-        batch = PackedBatch.from_megatron_batch(item)
-    else:
-        raise TypeError(
-            f"data_iterator yielded {type(item).__name__}; expected a megapack.PackedBatch or a dict of "
-            "tensors (Megatron SFT-style with cu_seqlens, or a plain pretraining batch)"
-        )
-    tensors = {
-        "tokens": batch.tokens,
-        "labels": batch.labels,
-        "loss_mask": batch.loss_mask,
-        "position_ids": batch.position_ids,
-        "cu_seqlens": batch.cu_seqlens,
-        "cu_seqlens_padded": batch.cu_seqlens_padded,
-    }
-    return Layout.PACKED, tensors, batch.max_seqlen
-
-
-def _plain_tensors(item: Mapping[str, Any]) -> dict[str, torch.Tensor | None]:
-    tokens = grid_tensor(item, "tokens")
-    shape = tuple(tokens.shape)
-    tensors: dict[str, torch.Tensor | None] = {"tokens": tokens}
-    for name in ("labels", "loss_mask", "position_ids"):
-        tensors[name] = grid_tensor(item, name, shape)
-    mask = item.get("attention_mask")
-    is_mask = isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == shape[1]
-    if mask is not None and not is_mask:
-        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(
-            f"batch['attention_mask'] is {got}; expected a [b, 1, s, s] tensor with s={shape[1]}"
-        )
-    tensors["attention_mask"] = mask
-    return tensors
-
-
-def _numel(t: torch.Tensor | None) -> int:
-    return 0 if t is None else int(t.numel())

@@ -182,7 +182,7 @@ def test_get_batch_stuck_source(pool: WorkerPool) -> None:
     for kind, message, seconds in results[1:]:
         assert (
             kind == "CollectiveError"
-            and "header broadcast from TP source rank 0 timed out" in message
+            and "frame broadcast from TP source rank 0 timed out" in message
         )
         assert seconds < TIMEOUT + 5
 

@@ -367,3 +367,27 @@ def test_peers_on_different_stages_are_refused(dist_pool: Any) -> None:
     assert source == "ok"
     assert receiver.startswith("ProtocolError: TP source rank 0 serves pipeline stage 'first'")
     assert "this rank is on stage 'last'" in receiver
+
+
+def run_steady_state(tp: int, row_lengths: list[int]) -> list[int]:
+    """Collectives per call (and the final stop) for rows of the given lengths, 8-token documents."""
+    topo = grid_topology(tp, 1)
+    counts = _count_collectives()
+    rows = [PackedBatch.from_documents([[7] * 8] * (n // 8), seq_len=n) for n in row_lengths]
+    data = iter(rows) if topo.is_source else None
+    per_call = []
+    for _ in range(len(rows) + 1):
+        before = counts["n"]
+        try:
+            get_batch_on_this_tp_rank(data, topology=topo)
+        except StopIteration:
+            pass
+        per_call.append(counts["n"] - before)
+    return per_call
+
+
+def test_steady_state_is_one_collective_per_call(dist_pool: Any) -> None:
+    # The first call sizes the frame (2 collectives); same-shape calls then fit it (1). Rows 4x
+    # longer outgrow it (2, then 1); shorter rows fit and shrink it for later calls (1).
+    results = dist_pool.run(run_steady_state, 4, 4, [64, 64, 64, 256, 256, 64, 64], timeout=30)
+    assert all(r == [2, 1, 1, 2, 1, 1, 1, 1] for r in results), results

@@ -1,0 +1,97 @@
+"""wire: the field table, the header, and encode/decode of each stage's payload."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megapack import FIELDS, PackedBatch, Stage
+from megapack.wire import OUTPUT_KEYS, Header, Layout, Status, decode, encode
+
+CPU = torch.device("cpu")
+EXPECTED_FIELDS = {
+    Stage.ONLY: {"tokens", "position_ids", "labels", "loss_mask", "cu_seqlens"},
+    Stage.FIRST: {"tokens", "position_ids", "cu_seqlens"},
+    Stage.MIDDLE: {"cu_seqlens"},
+    Stage.LAST: {"labels", "loss_mask", "cu_seqlens"},
+}
+
+
+def sample() -> PackedBatch:
+    return PackedBatch.from_documents([[5, 6, 7], [8, 9], [1, 2, 3, 4]])
+
+
+def test_table_gives_every_stage_the_attention_metadata() -> None:
+    by_name = {f.name: f.stages for f in FIELDS}
+    for name in ("cu_seqlens", "cu_seqlens_padded", "attention_mask"):
+        assert by_name[name] == frozenset(Stage)
+    assert by_name["tokens"] == {Stage.ONLY, Stage.FIRST}
+    assert by_name["labels"] == {Stage.ONLY, Stage.LAST}
+
+
+@pytest.mark.parametrize("stage", list(Stage), ids=lambda s: s.value)
+def test_encode_decode_per_stage(stage: Stage) -> None:
+    batch = sample()
+    header, payload = encode(batch, stage, CPU)
+    assert payload.dtype == torch.uint8 and payload.numel() == header.nbytes
+    out = decode(Header.from_tensor(header.to_tensor(CPU)), payload)
+    assert tuple(out) == OUTPUT_KEYS
+    present = {
+        k
+        for k in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens")
+        if out[k] is not None
+    }
+    assert present == EXPECTED_FIELDS[stage]
+    for name in present:
+        assert torch.equal(out[name], getattr(batch, name)), name
+        assert out[name].dtype == getattr(batch, name).dtype
+    assert out["attention_mask"] is None and out["cu_seqlens_padded"] is None
+    assert out["max_seqlen"] == 4 and type(out["max_seqlen"]) is int
+    assert out["packed_seq_params"].cu_seqlens_q is out["cu_seqlens"]
+
+
+def test_payload_is_only_what_the_stage_needs() -> None:
+    batch = sample()  # T = 9 tokens, 4 boundaries
+    sizes = {stage: encode(batch, stage, CPU)[0].nbytes for stage in Stage}
+    cu = 16  # 4 x int32, already 8-byte aligned
+    assert sizes[Stage.MIDDLE] == cu
+    assert sizes[Stage.FIRST] == 2 * 9 * 8 + cu
+    assert sizes[Stage.LAST] == 9 * 8 + 9 * 4 + 4 + cu  # float32 loss_mask padded to 8 bytes
+
+
+def test_padded_cu_seqlens_travel() -> None:
+    batch = PackedBatch.from_documents([[5, 6, 7], [8, 9]], pad_to_multiple_of=4)
+    header, payload = encode(batch, Stage.MIDDLE, CPU)
+    out = decode(header, payload)
+    assert out["cu_seqlens"].tolist() == [0, 3, 5]
+    assert out["cu_seqlens_padded"].tolist() == [0, 4, 8]
+    assert out["packed_seq_params"].cu_seqlens_kv_padded is out["cu_seqlens_padded"]
+
+
+def test_plain_batch_passes_through_in_megatron_format() -> None:
+    b, s = 2, 5
+    plain = {
+        "tokens": torch.arange(10).reshape(b, s),
+        "labels": torch.arange(1, 11).reshape(b, s),
+        "loss_mask": torch.ones(b, s),
+        "position_ids": torch.arange(s).repeat(b, 1),
+        "attention_mask": torch.tril(torch.ones(s, s, dtype=torch.bool)).expand(b, 1, s, s),
+    }
+    header, payload = encode(plain, Stage.ONLY, CPU)
+    assert header.layout == Layout.PLAIN
+    out = decode(header, payload)
+    for k in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask"):
+        assert torch.equal(out[k], plain[k]), k
+    assert (
+        out["cu_seqlens"] is None and out["max_seqlen"] is None and out["packed_seq_params"] is None
+    )
+    middle = decode(*encode({**plain, "attention_mask": None}, Stage.MIDDLE, CPU))
+    assert all(v is None for v in middle.values())
+
+
+def test_header_rejects_out_of_step_peer() -> None:
+    garbage = torch.arange(16, dtype=torch.int64)
+    with pytest.raises(Exception, match="TP ranks are out of step"):
+        Header.from_tensor(garbage)
+    h = Header(status=Status.STOP, stage=Stage.LAST)
+    assert Header.from_tensor(h.to_tensor(CPU)) == h
