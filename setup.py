@@ -14,7 +14,17 @@ setup(
     packages=find_packages(include=["megapack", "megapack.*"]),
     install_requires=["torch>=2.4", "numpy>=1.24", "megatron-core>=0.12"],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ruff>=0.6", "mypy>=1.10"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "hypothesis>=6",
+            "ruff>=0.6",
+            "mypy>=1.10",
+            "tokenizers>=0.15",
+            "matplotlib>=3.7",
+        ],
+        "tokenizers": ["tokenizers>=0.15"],
+        "plots": ["matplotlib>=3.7"],
         "flash": ["flash-attn>=2.6"],
         "te": ["transformer-engine[pytorch]>=1.13"],
     },

@@ -1,0 +1,51 @@
+"""megapack.data: raw data to `Document`s (token ids + per-token loss mask) ready for packing.
+
+    read_documents(path)          one entry point, dispatching on the suffix:
+      read_jsonl                  {"text"}, {"prompt", "completion"}, {"messages"} lines
+      read_indexed                megatron-core .bin/.idx pairs
+      read_numpy / documents_from_*  token arrays with offsets, eos splitting, lists of arrays
+    split_document(doc, max_len)  cut long documents at message boundaries for a packer
+    ByteTokenizer, HFTokenizer    the Tokenizer protocol's two implementations
+    ChatTemplate                  how chat messages are rendered and which turns are learned
+
+Documents go into a batch through ``PackedBatch.from_documents([d.as_dict() for d in docs])``.
+
+Importing this package is cheap: megatron-core (indexed datasets) and ``tokenizers`` (HF) are
+imported by the functions that need them.
+"""
+
+from megapack.data.arrays import (
+    documents_from_array,
+    documents_from_arrays,
+    documents_from_eos,
+    documents_from_offsets,
+    read_numpy,
+)
+from megapack.data.chat import ChatTemplate
+from megapack.data.document import Document
+from megapack.data.indexed import read_indexed
+from megapack.data.jsonl import JsonlReader, JsonlStats, read_jsonl
+from megapack.data.read import read_documents
+from megapack.data.records import BadLineError
+from megapack.data.split import split_document
+from megapack.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
+
+__all__ = [
+    "BadLineError",
+    "ByteTokenizer",
+    "ChatTemplate",
+    "Document",
+    "HFTokenizer",
+    "JsonlReader",
+    "JsonlStats",
+    "Tokenizer",
+    "documents_from_array",
+    "documents_from_arrays",
+    "documents_from_eos",
+    "documents_from_offsets",
+    "read_documents",
+    "read_indexed",
+    "read_jsonl",
+    "read_numpy",
+    "split_document",
+]
