@@ -268,11 +268,12 @@ def sdpa_attention(
     pieces = []
     for i in range(len(starts) - 1):
         a, n, width = starts[i], ends[i + 1] - ends[i], starts[i + 1] - starts[i]
+        # 4-D [1, heads, n, dim]: 3-D inputs fall back to the math kernel on CPU (measured 5x slower)
         o = F.scaled_dot_product_attention(
-            q[a : a + n].transpose(0, 1), k[a : a + n].transpose(0, 1), v[a : a + n].transpose(0, 1),
+            q[None, a : a + n].transpose(1, 2), k[None, a : a + n].transpose(1, 2), v[None, a : a + n].transpose(1, 2),
             is_causal=True, scale=scale, dropout_p=dropout, enable_gqa=gqa,
         )  # fmt: skip
-        pieces.append(o.transpose(0, 1))
+        pieces.append(o[0].transpose(0, 1))
         if width > n:
             pieces.append(q.new_zeros(width - n, q.shape[1], v.shape[2]))
     if starts[-1] < q.shape[0]:
