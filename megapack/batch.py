@@ -227,6 +227,40 @@ class PackedBatch:
         ).validate()
 
     @classmethod
+    def concat(cls, rows: Sequence[PackedBatch]) -> PackedBatch:
+        """Concatenate packed rows into one THD micro-batch (boundaries offset row by row).
+
+        Rows must agree on whether ``cu_seqlens_padded`` is set. Example: rows with
+        ``cu_seqlens`` [0, 3, 4] and [0, 2, 4] give [0, 3, 4, 6, 8].
+        """
+        if not rows:
+            raise ValueError("PackedBatch.concat needs at least one row")
+        padded = {r.cu_seqlens_padded is not None for r in rows}
+        if len(padded) != 1:
+            raise ValueError("PackedBatch.concat: some rows have cu_seqlens_padded and some do not")
+        real: list[torch.Tensor] = [rows[0].cu_seqlens[:1]]
+        buffer: list[torch.Tensor] = []
+        offset = real_offset = 0
+        for r in rows:
+            real.append(r.cu_seqlens[1:] + real_offset)
+            if r.cu_seqlens_padded is not None:
+                buffer.append(
+                    (r.cu_seqlens_padded if not buffer else r.cu_seqlens_padded[1:]) + offset
+                )
+            real_offset += int(r.cu_seqlens[-1])
+            offset += r.num_tokens
+        grid = {
+            k: torch.cat([getattr(r, k) for r in rows], dim=1)
+            for k in ("tokens", "labels", "loss_mask", "position_ids")
+        }
+        return cls(
+            **grid,
+            cu_seqlens=torch.cat(real),
+            cu_seqlens_padded=torch.cat(buffer) if buffer else None,
+            max_seqlen=max(r.max_seqlen for r in rows),
+        ).validate()
+
+    @classmethod
     def from_megatron_batch(cls, batch: Mapping[str, Any]) -> PackedBatch:
         """Merge a Megatron SFT-style packed batch of b rows into one THD row.
 

@@ -286,3 +286,24 @@ def test_timeout_setting_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     assert megapack.comm.collective_timeout(7) == 7.0
     monkeypatch.delenv("MEGAPACK_TIMEOUT_S")
     assert megapack.comm.collective_timeout() == 300.0
+
+
+def run_dataset_lockstep(sizes: list[int]) -> Any:
+    import numpy as np
+
+    from megapack.data import Document
+    from megapack.data.dataset import PackedDataset
+
+    rank = dist.get_rank()
+    docs = [Document(tokens=np.arange(1, 33), loss_mask=np.ones(32, dtype=np.float32))] * sizes[
+        rank
+    ]
+    dataset = PackedDataset(docs, 32)  # one document per row: sizes[rank] micro-batches
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return len(dataset), sum(1 for _ in dataset.iterate(lockstep=True))
+
+
+def test_packed_dataset_iterates_in_lockstep(pool: WorkerPool) -> None:
+    # e.g. evaluation sets built per rank with different lengths (prime-rl: 327 vs 338 batches)
+    assert pool.run(run_dataset_lockstep, 3, [5, 3, 4], timeout=30) == [(5, 3), (3, 3), (4, 3)]

@@ -8,6 +8,7 @@ receive with a deliberately simple reference, independent of megapack's field ta
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from typing import Any
@@ -378,10 +379,8 @@ def run_steady_state(tp: int, row_lengths: list[int]) -> list[int]:
     per_call = []
     for _ in range(len(rows) + 1):
         before = counts["n"]
-        try:
+        with contextlib.suppress(StopIteration):
             get_batch_on_this_tp_rank(data, topology=topo)
-        except StopIteration:
-            pass
         per_call.append(counts["n"] - before)
     return per_call
 

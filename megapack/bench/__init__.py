@@ -1,0 +1,168 @@
+"""``megapack bench``: what packing and megapack's transfer save, measured side by side in one run.
+
+Sections (each a module here): `transfer` (get_batch_on_this_tp_rank vs Megatron-style per-tensor
+broadcasts vs one bare broadcast), `throughput` (real tokens/s packed vs padded, tiny megatron-core
+GPT) and `packing` (every algorithm's efficiency against the lower bound, and planning time).
+
+Launched plainly, it starts its own worker processes (gloo on CPU); under ``torchrun`` it uses the
+launched ranks (NCCL when CUDA is present). Output: a markdown report on stdout, ``--json PATH``
+(the schema in `report.to_json`), ``--plots DIR`` (PNG charts). ``--quick`` shrinks every section
+to run in under a minute; it is smoke-tested in the suite. The full run is not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quick", action="store_true", help="everything small: under a minute on 2 CPU cores"
+    )
+    p.add_argument("--json", help="write the results as JSON here")
+    p.add_argument("--plots", help="write PNG charts into this directory")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the throughput run")
+    p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size of the throughput run")
+    p.add_argument(
+        "--transfer-tp", type=int, nargs="+", default=[2, 4], help="TP sizes of the transfer run"
+    )
+    p.add_argument(
+        "--lengths",
+        help="JSON list of real document lengths (default: ../shared/data/openchat_v1_lengths.json)",
+    )
+    p.add_argument("--skip", nargs="*", default=[], choices=["transfer", "throughput", "packing"])
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Sizes of every section, full or quick."""
+    quick = bool(args.quick)
+    return {
+        "transfer_seq_lens": [4096] if quick else [4096, 32768],
+        "transfer_repeats": 30 if quick else 200,
+        "transfer_warmup": 5 if quick else 20,
+        "throughput_seq_len": 512 if quick else 1024,
+        "throughput_docs": 24 if quick else 64,
+        "throughput_rows": 2,
+        "throughput_steps": 1 if quick else 2,
+        "throughput_warmup": 1,
+        "best_time_limit_s": 1.0 if quick else 10.0,
+        "big_n": 100_000 if quick else 1_000_000,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    from megapack.bench import report
+    from megapack.bench.datasets import load_lengths, throughput_datasets
+
+    cfg = settings(args)
+    lengths, source = load_lengths(args.lengths)
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    env = report.environment(
+        backend="nccl" if launched and _cuda() else "gloo",
+        launcher="torchrun" if launched else "own workers",
+    )
+    results: dict[str, Any] = {
+        "env": env,
+        "settings": cfg,
+        "transfer": [],
+        "throughput": [],
+        "packing": [],
+    }
+    if launched:
+        dist.init_process_group("nccl" if _cuda() else "gloo")
+    rank0 = not launched or dist.get_rank() == 0
+    if rank0:
+        print(report.header(env, source), flush=True)
+    runner = _Runner(launched, max([*args.transfer_tp, args.tp * args.pp]))
+    try:
+        if "transfer" not in args.skip:
+            from megapack.bench.transfer import run_transfer
+
+            for tp in args.transfer_tp:
+                _step(f"transfer tp={tp}", rank0)
+                results["transfer"] += runner.run(
+                    run_transfer,
+                    tp,
+                    cfg["transfer_seq_lens"],
+                    cfg["transfer_repeats"],
+                    cfg["transfer_warmup"],
+                )
+        if "throughput" not in args.skip:
+            from megapack.bench.throughput import run_throughput
+
+            _step(f"throughput tp={args.tp} pp={args.pp}", rank0)
+            data = throughput_datasets(lengths, cfg["throughput_seq_len"], cfg["throughput_docs"])
+            results["throughput"] = runner.run(
+                run_throughput, args.tp * args.pp, args.tp, args.pp, data, cfg["throughput_seq_len"],
+                cfg["throughput_rows"], cfg["throughput_steps"], cfg["throughput_warmup"],
+            )  # fmt: skip
+    finally:
+        runner.close()
+    if rank0 and "packing" not in args.skip:
+        from megapack.bench.packing import run_packing
+
+        _step("packing", rank0)
+        results["packing"] = run_packing(lengths, cfg["best_time_limit_s"], cfg["big_n"])
+    if rank0:
+        print(report.markdown(results), flush=True)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report.to_json(results), indent=2) + "\n")
+            print(f"JSON -> {args.json}")
+        if args.plots:
+            for path in report.plots(results, args.plots):
+                print(f"plot -> {path}")
+    if launched:
+        dist.destroy_process_group()
+    return 0
+
+
+class _Runner:
+    """Runs a per-rank function on ``world_size`` ranks: the launched ones, or a pool of our own."""
+
+    def __init__(self, launched: bool, size: int) -> None:
+        self.launched = launched
+        self.size = size
+        self.pool: Any = None
+
+    def run(self, fn: Any, world_size: int, *args: Any) -> list[dict[str, Any]]:
+        if self.launched:
+            if dist.get_world_size() != world_size:
+                print(
+                    f"skipped {fn.__name__}: needs {world_size} ranks, torchrun started {dist.get_world_size()}",
+                    file=sys.stderr,
+                )
+                return []
+            return list(fn(*args))
+        if self.pool is None:
+            from megapack.testing.pool import WorkerPool
+
+            self.pool = WorkerPool(
+                size=self.size,
+                preload=("torch", "megatron.core.packed_seq_params"),
+                pg_timeout_s=600,
+            )
+        return list(self.pool.run(fn, world_size, *args, timeout=1800)[0])
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _step(label: str, show: bool) -> None:
+    if show:
+        print(f"[{time.strftime('%H:%M:%S')}] running {label} ...", file=sys.stderr, flush=True)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,213 @@
+"""The ``megapack`` command line: ``pack``, ``stats`` and ``bench``.
+
+    megapack pack train.jsonl --seq-len 4096 --out packed/        # then PackedDataset.load("packed/")
+    megapack stats train.jsonl --seq-len 4096 --plot lengths.png  # histogram, bound, every algorithm
+    megapack bench --quick --json bench.json --plots plots/      # see megapack.bench
+
+Inputs are anything `megapack.data.read_documents` reads (.jsonl/.json, megatron .bin/.idx, .npy/.npz).
+A bad JSONL line stops the command with its file and line, or is skipped and counted with --skip-bad.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+
+def progress(
+    items: Iterable[T], label: str, *, every_s: float = 0.5, stream: Any = None
+) -> Iterator[T]:
+    """Yield ``items`` while showing a running count and rate on stderr (one line, redrawn)."""
+    out = stream if stream is not None else sys.stderr
+    start = last = time.perf_counter()
+    count = 0
+    for item in items:
+        count += 1
+        now = time.perf_counter()
+        if now - last >= every_s:
+            out.write(f"\r{label}: {count:,} ({count / (now - start):,.0f}/s)")
+            out.flush()
+            last = now
+        yield item
+    out.write(f"\r{label}: {count:,} in {time.perf_counter() - start:.1f} s\n")
+    out.flush()
+
+
+def _tokenizer(path: str | None) -> Any:
+    from megapack.data import ByteTokenizer, HFTokenizer
+
+    return HFTokenizer.from_file(path) if path else ByteTokenizer()
+
+
+def _read(args: argparse.Namespace, tokenizer: Any = None) -> tuple[list[Any], str]:
+    from megapack.data import read_documents
+
+    options = {"skip_bad": True} if args.skip_bad else {}
+    reader = read_documents(args.input, tokenizer or _tokenizer(args.tokenizer), **options)
+    docs = list(progress(reader, f"reading {args.input}"))
+    stats = getattr(reader, "stats", None)
+    note = (
+        f"{stats.skipped:,} bad lines skipped {dict(stats.skipped_by_problem)}"
+        if stats and stats.skipped
+        else ""
+    )
+    return docs, note
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    from megapack.data.dataset import PackedDataset
+
+    tokenizer = _tokenizer(args.tokenizer)
+    docs, note = _read(args, tokenizer)
+    if note:
+        print(note, file=sys.stderr)
+    start = time.perf_counter()
+    dataset = PackedDataset(
+        docs, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, algorithm=args.algorithm,
+        long_docs=args.long_docs, seed=args.seed, pad_token_id=tokenizer.pad_id,
+    )  # fmt: skip
+    out = dataset.save(args.out)
+    m = dataset.meta
+    print(
+        f"packed {m['documents']:,} documents into {m['rows']:,} rows of {m['seq_len']:,} tokens "
+        f"({m['efficiency']:.2%} efficiency, lower bound {m['lower_bound']:,} rows, {args.algorithm}) "
+        f"in {time.perf_counter() - start:.1f} s -> {out}"
+    )
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from megapack.packing import plan
+
+    docs, note = _read(args)
+    lengths = np.array([len(d) for d in docs], dtype=np.int64)
+    if len(lengths) == 0:
+        print(f"{args.input}: no documents", file=sys.stderr)
+        return 1
+    print(f"{len(lengths):,} documents, {int(lengths.sum()):,} tokens; length min {lengths.min()}, "
+          f"median {int(np.median(lengths))}, mean {lengths.mean():.1f}, max {lengths.max()}" + (f"; {note}" if note else ""))  # fmt: skip
+    print("\nlength histogram")
+    edges = np.unique(np.geomspace(1, max(int(lengths.max()), 2), 12).astype(int))
+    counts, _ = np.histogram(lengths, bins=np.append(edges, lengths.max() + 1))
+    for lo, hi, n in zip(edges, np.append(edges[1:], lengths.max() + 1), counts, strict=True):
+        print(f"  {lo:>7,}-{hi - 1:<7,} {n:>8,} {'#' * int(40 * n / max(counts.max(), 1))}")
+    print(f"\npacking at seq_len {args.seq_len:,}")
+    print("| algorithm | rows | efficiency | seconds |\n| --- | --- | --- | --- |")
+    results = {}
+    for algorithm in ("next_fit", "first_fit", "ffd", "bfd", "best"):
+        start = time.perf_counter()
+        result = plan(lengths, args.seq_len, algorithm=algorithm, time_limit_s=args.time_limit)
+        results[algorithm] = result
+        print(
+            f"| {algorithm} | {result.num_bins:,} | {result.efficiency:.2%} | {time.perf_counter() - start:.2f} |"
+        )
+    bound = results["bfd"].lower_bound
+    print(
+        f"| lower bound | {bound:,} | <= {lengths.clip(max=args.seq_len).sum() / (bound * args.seq_len):.2%} | |"
+    )
+    long = lengths > args.seq_len
+    print(
+        f"\n{int(long.sum()):,} documents longer than {args.seq_len:,} tokens ({int((lengths[long] - args.seq_len).sum()):,} tokens beyond)"
+    )
+    for policy in ("split", "truncate", "drop"):
+        r = plan(lengths, args.seq_len, algorithm="bfd", long_docs=policy)
+        print(
+            f"  {policy:>8}: {r.truncated_tokens + r.dropped_tokens:,} tokens lost, {r.num_bins:,} rows"
+        )
+    if args.plot:
+        _plot(lengths, args.seq_len, args.plot)
+        print(f"\nplot -> {args.plot}")
+    return 0
+
+
+def _plot(lengths: np.ndarray, seq_len: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.hist(lengths, bins=60, color="#4c72b0")
+    ax.axvline(seq_len, color="#c44e52", linestyle="--", label=f"seq_len {seq_len:,}")
+    ax.set(xlabel="document length (tokens)", ylabel="documents", title="document lengths")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from megapack.bench import main as bench_main
+
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megapack", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def data_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("input", help="a .jsonl/.json, .bin/.idx (or prefix), .npy/.npz file")
+        p.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
+        p.add_argument(
+            "--tokenizer", help="a HF tokenizer.json (default: the built-in byte-level tokenizer)"
+        )
+        p.add_argument(
+            "--skip-bad",
+            action="store_true",
+            help="skip and count bad JSONL lines instead of stopping",
+        )
+
+    pack = sub.add_parser("pack", help="pack documents into a dataset PackedDataset.load reads")
+    data_args(pack)
+    pack.add_argument("--out", required=True, help="output directory")
+    pack.add_argument(
+        "--algorithm", default="bfd", choices=["bfd", "ffd", "first_fit", "next_fit", "best"]
+    )
+    pack.add_argument(
+        "--long-docs", default="split", choices=["split", "truncate", "drop", "error"]
+    )
+    pack.add_argument("--pad-to-multiple-of", type=int, default=1)
+    pack.add_argument("--seed", type=int, default=0)
+    pack.set_defaults(func=cmd_pack)
+
+    stats = sub.add_parser(
+        "stats", help="length histogram, lower bound, every algorithm's efficiency"
+    )
+    data_args(stats)
+    stats.add_argument("--plot", help="write a PNG histogram here")
+    stats.add_argument(
+        "--time-limit", type=float, default=10.0, help="seconds for the 'best' search"
+    )
+    stats.set_defaults(func=cmd_stats)
+
+    from megapack.bench import add_arguments
+
+    bench = sub.add_parser(
+        "bench", help="packed vs padded throughput, transfer cost, packing quality"
+    )
+    add_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"megapack {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""`PackedDataset`: documents packed once into rows, served as equal per-rank shards of `PackedBatch`es.
+
+Construction plans the packing once (`megapack.packing.plan`) on the documents' *aligned* lengths,
+ceil(len / pad_to_multiple_of) * pad_to_multiple_of, so alignment padding can never overflow a row
+(Megatron-Bridge #4593 planned on raw lengths and padded afterwards). Documents longer than a row
+are first cut at message boundaries where possible (`split_document`; each cut costs the one
+target that crossed it), or truncated, dropped or refused, as ``long_docs`` says.
+
+Each epoch shuffles the rows with ``(seed, epoch)``, groups ``rows_per_micro_batch`` rows into one
+THD micro-batch, and pads the number of micro-batches to a multiple of ``dp_size`` with zero-loss
+micro-batches, so every data-parallel rank gets the same count and no rank waits for another
+(item i of rank r is micro-batch r + i * dp_size). Nothing is dropped.
+
+Storage is flat numpy arrays (tokens, loss mask, document offsets, bins as (doc, start, stop)
+slices), the same in memory and on disk: `save` writes them, `load` memory-maps them back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from megapack.batch import PackedBatch
+from megapack.data.document import Document
+from megapack.data.split import split_document
+
+FORMAT_VERSION = 1
+LONG_DOCS = ("split", "truncate", "drop", "error")
+
+
+class PackedDataset:
+    """Map-style dataset of packed micro-batches for one data-parallel rank.
+
+    Args:
+        documents: the corpus (e.g. ``list(megapack.data.read_documents("train.jsonl"))``).
+        seq_len: tokens per row; a multiple of ``pad_to_multiple_of``.
+        rows_per_micro_batch: rows concatenated into one THD micro-batch (Megatron's micro-batch size).
+        pad_to_multiple_of: pad every document to a multiple of this (e.g. 2 x context-parallel size).
+        algorithm: `megapack.packing.plan` algorithm ("bfd", "ffd", "first_fit", "next_fit", "best").
+        long_docs: documents longer than ``seq_len``: "split", "truncate", "drop" or "error".
+        seed: shuffles rows per epoch (with ``epoch``) and seeds the packer.
+        dp_rank, dp_size: this rank's shard of micro-batches.
+        pad_token_id: id for padding tokens and for labels that have no next token.
+
+    Example:
+        >>> ds = PackedDataset(docs, seq_len=4096, rows_per_micro_batch=2, dp_rank=r, dp_size=8)  # doctest: +SKIP
+        >>> ds.set_epoch(1); batch = ds[0]       # a PackedBatch of [1, 8192] tokens      # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        documents: Iterable[Document],
+        seq_len: int,
+        *,
+        rows_per_micro_batch: int = 1,
+        pad_to_multiple_of: int = 1,
+        algorithm: str = "bfd",
+        long_docs: str = "split",
+        seed: int = 0,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        pad_token_id: int = 0,
+    ) -> None:
+        from megapack.packing import plan
+
+        _check_positive(seq_len=seq_len, pad_to_multiple_of=pad_to_multiple_of)
+        if seq_len % pad_to_multiple_of:
+            raise ValueError(
+                f"seq_len={seq_len} must be a multiple of pad_to_multiple_of={pad_to_multiple_of}"
+            )
+        if long_docs not in LONG_DOCS:
+            raise ValueError(f"long_docs={long_docs!r}; choose one of {LONG_DOCS}")
+        docs = list(documents)
+        if not docs:
+            raise ValueError("documents is empty: nothing to pack")
+        if long_docs == "split":
+            docs = [piece for doc in docs for piece in split_document(doc, seq_len)]
+        lengths = np.array([len(d) for d in docs], dtype=np.int64)
+        aligned = -(-lengths // pad_to_multiple_of) * pad_to_multiple_of
+        packing = plan(
+            aligned,
+            seq_len,
+            algorithm=algorithm,
+            long_docs="error" if long_docs == "split" else long_docs,
+            seed=seed,
+        )
+        slices = np.array(packing.slices, dtype=np.int64)  # (doc, start, stop) in aligned units
+        slices[:, 2] = np.minimum(
+            slices[:, 2], lengths[slices[:, 0]]
+        )  # alignment padding holds no tokens
+        self._arrays = {
+            "tokens": np.concatenate([d.tokens for d in docs]),
+            "loss_mask": np.concatenate([d.loss_mask for d in docs]),
+            "doc_offsets": np.concatenate([[0], np.cumsum(lengths)]),
+            "slices": slices,
+            "bin_offsets": np.array(packing.bin_offsets, dtype=np.int64),
+        }
+        self.meta: dict[str, Any] = {
+            "version": FORMAT_VERSION, "seq_len": seq_len, "pad_to_multiple_of": pad_to_multiple_of,
+            "algorithm": algorithm, "long_docs": long_docs, "seed": seed, "documents": len(docs),
+            "rows": packing.num_bins, "efficiency": packing.efficiency, "lower_bound": packing.lower_bound,
+            "truncated_tokens": packing.truncated_tokens, "dropped_tokens": packing.dropped_tokens,
+            "pad_token_id": pad_token_id,
+        }  # fmt: skip
+        self._configure(rows_per_micro_batch, dp_rank, dp_size, pad_token_id)
+
+    def _configure(
+        self, rows_per_micro_batch: int, dp_rank: int, dp_size: int, pad_token_id: int
+    ) -> None:
+        _check_positive(rows_per_micro_batch=rows_per_micro_batch, dp_size=dp_size)
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is outside dp_size={dp_size}")
+        self.rows_per_micro_batch, self.dp_rank, self.dp_size = (
+            rows_per_micro_batch,
+            dp_rank,
+            dp_size,
+        )
+        self.pad_token_id = pad_token_id
+        self.epoch = 0
+        self._order: np.ndarray | None = None  # row order of self.epoch, computed on first use
+        rows = int(self.meta["rows"])
+        self.num_micro_batches = -(
+            -rows // rows_per_micro_batch
+        )  # the last one may hold fewer rows
+        self.padded_micro_batches = -(-self.num_micro_batches // dp_size) * dp_size
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.meta["seq_len"])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle the rows for ``epoch`` (the same order on every rank)."""
+        self.epoch, self._order = epoch, None
+
+    def __len__(self) -> int:
+        """Micro-batches of this rank: the same on every rank."""
+        return self.padded_micro_batches // self.dp_size
+
+    def __getitem__(self, index: int) -> PackedBatch:
+        if not 0 <= index < len(self):
+            raise IndexError(
+                f"PackedDataset index {index} out of range for {len(self)} micro-batches"
+            )
+        global_index = self.dp_rank + index * self.dp_size
+        if global_index >= self.num_micro_batches:
+            return self._padding_micro_batch()
+        if self._order is None:
+            self._order = np.random.default_rng((self.meta["seed"], self.epoch)).permutation(
+                int(self.meta["rows"])
+            )
+        rows = self._order[
+            global_index * self.rows_per_micro_batch : (global_index + 1)
+            * self.rows_per_micro_batch
+        ]
+        filler = [self._filler_row()] * (self.rows_per_micro_batch - len(rows))  # constant shape
+        return PackedBatch.concat([self._row(int(r)) for r in rows] + filler)
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        return (self[i] for i in range(len(self)))
+
+    def iterate(
+        self, *, lockstep: bool = False, group: dist.ProcessGroup | None = None
+    ) -> Iterator[PackedBatch]:
+        """This rank's micro-batches in order; with ``lockstep=True``, every rank of ``group`` stops together."""
+        if not lockstep:
+            return iter(self)
+        from megapack.sync import lockstep as in_lockstep
+
+        return in_lockstep(self, group=group)
+
+    def _row(self, row: int) -> PackedBatch:
+        a = self._arrays
+        docs = []
+        for doc, start, stop in a["slices"][a["bin_offsets"][row] : a["bin_offsets"][row + 1]]:
+            base = int(a["doc_offsets"][doc])
+            docs.append(
+                {
+                    "tokens": a["tokens"][base + start : base + stop],
+                    "loss_mask": a["loss_mask"][base + start : base + stop],
+                }
+            )
+        return PackedBatch.from_documents(
+            docs,
+            seq_len=self.seq_len,
+            pad_to_multiple_of=int(self.meta["pad_to_multiple_of"]),
+            pad_token_id=self.pad_token_id,
+        )
+
+    def _filler_row(self) -> PackedBatch:
+        """A zero-loss row: one all-padding document."""
+        filler = {
+            "tokens": np.full(self.seq_len, self.pad_token_id),
+            "loss_mask": np.zeros(self.seq_len),
+        }
+        m = int(self.meta["pad_to_multiple_of"])
+        return PackedBatch.from_documents(
+            [filler], seq_len=self.seq_len, pad_to_multiple_of=m, pad_token_id=self.pad_token_id
+        )
+
+    def _padding_micro_batch(self) -> PackedBatch:
+        """Zero-loss filler micro-batch that evens out data-parallel shards."""
+        return PackedBatch.concat([self._filler_row()] * self.rows_per_micro_batch)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the packed dataset (arrays + meta.json) to ``directory``; `load` reads it back."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, array in self._arrays.items():
+            np.save(out / f"{name}.npy", np.asarray(array))
+        (out / "meta.json").write_text(json.dumps(self.meta, indent=2) + "\n")
+        return out
+
+    @classmethod
+    def load(
+        cls,
+        directory: str | Path,
+        *,
+        rows_per_micro_batch: int = 1,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        pad_token_id: int | None = None,
+    ) -> PackedDataset:
+        """Memory-map a dataset written by `save` or ``megapack pack`` (padding with its recorded pad id by default)."""
+        path = Path(directory)
+        meta_file = path / "meta.json"
+        if not meta_file.is_file():
+            raise FileNotFoundError(
+                f"{meta_file} not found: is {path} a directory written by `megapack pack`?"
+            )
+        meta = json.loads(meta_file.read_text())
+        if meta.get("version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{meta_file}: format version {meta.get('version')!r}, this megapack reads {FORMAT_VERSION}"
+            )
+        names = ("tokens", "loss_mask", "doc_offsets", "slices", "bin_offsets")
+        dataset = cls.__new__(cls)
+        dataset.meta = meta
+        dataset._arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r") for name in names}
+        pad = int(meta.get("pad_token_id", 0)) if pad_token_id is None else pad_token_id
+        dataset._configure(rows_per_micro_batch, dp_rank, dp_size, pad)
+        return dataset
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -1,0 +1,53 @@
+"""`megapack bench --quick` runs every section and writes the table, the JSON schema and the plots."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+
+def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "megapack.cli",
+        "bench",
+        "--quick",
+        "--json",
+        str(out),
+        "--plots",
+        str(tmp_path / "plots"),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for title in ("## Transfer", "## Throughput", "## Packing", "megatron-core", "commit"):
+        assert title in done.stdout
+    data = json.loads(out.read_text())
+    assert {"env", "transfer", "throughput", "packing"} <= set(data)
+    assert {(r["tp"], r["seq_len"]) for r in data["transfer"]} == {(2, 4096), (4, 4096)}
+    for r in data["transfer"]:
+        assert {"megapack_ms", "per_tensor_ms", "bare_ms"} <= set(r) and all(
+            r[k] > 0 for k in ("megapack_ms", "bare_ms")
+        )
+    modes = {(r["dataset"], r["mode"]) for r in data["throughput"]}
+    assert modes == {
+        (d, m)
+        for d in ("openchat", "sft-short")
+        for m in ("packed", "padded_fixed", "padded_longest")
+    }
+    for r in data["throughput"]:
+        assert r["tokens_per_s"] > 0 and 0 < r["efficiency"] <= 1
+        assert r["theoretical_speedup"] >= 1.0 - 1e-9 or r["mode"] == "packed"
+    algorithms = {r["algorithm"] for r in data["packing"] if r["dataset"] == "openchat"}
+    assert algorithms == {"next_fit", "first_fit", "ffd", "bfd", "best"}
+    best = {r["algorithm"]: r["rows"] for r in data["packing"] if r["dataset"] == "openchat"}
+    assert best["best"] <= best["bfd"]
+    for name in ("throughput.png", "transfer.png", "packing.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG"

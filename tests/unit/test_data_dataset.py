@@ -1,0 +1,151 @@
+"""PackedDataset: nothing lost, rows never overflow, equal shards, epochs, save/load, long documents."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megapack import PackedBatch
+from megapack.data import Document
+from megapack.data.dataset import PackedDataset
+
+
+def corpus(n: int = 40, seed: int = 0, max_len: int = 50) -> list[Document]:
+    """Documents whose tokens are unique across the corpus (doc i uses ids from i * 1000), to trace them."""
+    rng = np.random.default_rng(seed)
+    return [_doc(i, int(rng.integers(1, max_len))) for i in range(n)]
+
+
+def _doc(i: int, n: int) -> Document:
+    tokens = np.arange(1000 * (i + 1), 1000 * (i + 1) + n)
+    return Document(tokens=tokens, loss_mask=np.ones(n, dtype=np.float32))
+
+
+def real_tokens(batch: PackedBatch) -> list[int]:
+    """The document tokens of a batch (padding uses id 0, which no document uses)."""
+    return [t for t in batch.tokens[0].tolist() if t != 0]
+
+
+def all_tokens(docs: list[Document]) -> Counter[int]:
+    return Counter(t for d in docs for t in d.tokens.tolist())
+
+
+@pytest.mark.parametrize("pad", [1, 8])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_every_token_exactly_once_and_rows_fit(pad: int, rows: int) -> None:
+    docs = corpus()
+    ds = PackedDataset(docs, 64, rows_per_micro_batch=rows, pad_to_multiple_of=pad)
+    seen: Counter[int] = Counter()
+    for batch in ds:
+        batch.validate()
+        assert batch.tokens.shape == (1, rows * 64)
+        seen.update(real_tokens(batch))
+        if pad > 1:
+            assert batch.cu_seqlens_padded is not None
+            assert ((batch.cu_seqlens_padded[1:-1] % pad) == 0).all()  # documents start aligned
+    assert seen == all_tokens(docs)
+
+
+def test_labels_stay_inside_documents() -> None:
+    ds = PackedDataset(corpus(), 64)
+    for batch in ds:
+        tokens, labels, mask = batch.tokens[0], batch.labels[0], batch.loss_mask[0]
+        trained = mask.bool()
+        # a trained position predicts the next token of the same document: ids differ by exactly 1
+        assert torch.equal(labels[trained], tokens[trained] + 1)
+
+
+def test_data_parallel_shards_are_equal_and_complete() -> None:
+    docs = corpus(37)
+    shards = [PackedDataset(docs, 64, dp_rank=r, dp_size=3) for r in range(3)]
+    assert len({len(s) for s in shards}) == 1
+    seen: Counter[int] = Counter()
+    fillers = 0
+    for shard in shards:
+        for batch in shard:
+            tokens = real_tokens(batch)
+            if not tokens:
+                fillers += 1
+                assert batch.loss_mask.sum() == 0  # padding micro-batches train nothing
+            seen.update(tokens)
+    assert seen == all_tokens(docs)
+    assert fillers == shards[0].padded_micro_batches - shards[0].num_micro_batches < 3
+
+
+def test_epochs_reshuffle_deterministically() -> None:
+    docs = corpus()
+    a, b = PackedDataset(docs, 64, seed=3), PackedDataset(docs, 64, seed=3)
+    first = [real_tokens(x) for x in a]
+    assert first == [real_tokens(x) for x in b]
+    a.set_epoch(1)
+    b.set_epoch(1)
+    second = [real_tokens(x) for x in a]
+    assert second == [real_tokens(x) for x in b]
+    assert second != first and sorted(map(tuple, second)) == sorted(map(tuple, first))
+
+
+def test_save_and_load_round_trip(tmp_path: Path) -> None:
+    ds = PackedDataset(corpus(), 64, pad_to_multiple_of=4, algorithm="ffd", seed=5)
+    loaded = PackedDataset.load(ds.save(tmp_path / "packed"), rows_per_micro_batch=1)
+    assert len(loaded) == len(ds) and loaded.meta == ds.meta
+    for x, y in zip(ds, loaded, strict=True):
+        for name in (
+            "tokens",
+            "labels",
+            "loss_mask",
+            "position_ids",
+            "cu_seqlens",
+            "cu_seqlens_padded",
+        ):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
+
+
+def test_long_documents_split_at_message_boundaries() -> None:
+    long = Document(
+        tokens=np.arange(1, 151), loss_mask=np.ones(150, dtype=np.float32), boundaries=(40, 90, 120)
+    )
+    ds = PackedDataset([long], 100)
+    pieces = sorted((real_tokens(b) for b in ds), key=lambda t: t[0])
+    assert [p[0] for p in pieces] == [1, 91]  # cut at the message start 90, not at 100
+    assert sum(len(p) for p in pieces) == 150
+
+
+@pytest.mark.parametrize("policy", ["truncate", "drop"])
+def test_other_long_document_policies(policy: str) -> None:
+    docs = [_doc(0, 10), _doc(1, 80)]
+    ds = PackedDataset(docs, 64, long_docs=policy)
+    seen = Counter(t for b in ds for t in real_tokens(b))
+    kept = Counter(docs[1].tokens[:64].tolist()) if policy == "truncate" else Counter()
+    assert seen == all_tokens([docs[0]]) + kept
+    lost = (ds.meta["truncated_tokens"], ds.meta["dropped_tokens"])
+    assert lost == ((16, 0) if policy == "truncate" else (0, 80))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"seq_len": 60, "pad_to_multiple_of": 8},
+            "seq_len=60 must be a multiple of pad_to_multiple_of=8",
+        ),
+        ({"seq_len": 64, "dp_rank": 3, "dp_size": 3}, "dp_rank=3 is outside dp_size=3"),
+        ({"seq_len": 64, "long_docs": "wrap"}, "long_docs='wrap'"),
+        ({"seq_len": 0}, "seq_len must be a positive int"),
+        ({"seq_len": 64, "rows_per_micro_batch": 0}, "rows_per_micro_batch must be a positive int"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
+    seq_len = kwargs.pop("seq_len")
+    with pytest.raises(ValueError, match=match):
+        PackedDataset(corpus(5), seq_len, **kwargs)
+
+
+def test_empty_corpus_and_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="documents is empty"):
+        PackedDataset([], 64)
+    with pytest.raises(FileNotFoundError, match=r"meta\.json not found"):
+        PackedDataset.load(tmp_path)

@@ -1,0 +1,140 @@
+"""The "best" local search (megapack.packing.search, partial, subset_sum): exact subset sums against
+brute force, the partial packing's moves keep every item and the capacity, and the search never
+returns more bins than it started with, reproducibly for a seed."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megapack.packing import lower_bound, plan
+from megapack.packing import search as search_module
+from megapack.packing.bfd import best_fit_decreasing
+from megapack.packing.partial import LINEAR, SQUARED, PartialPacking
+from megapack.packing.search import improve
+from megapack.packing.subset_sum import best_subset, split_in_two
+
+
+def subset_sums(weights: list[int]) -> set[int]:
+    return {sum(c) for r in range(len(weights) + 1) for c in itertools.combinations(weights, r)}
+
+
+@settings(max_examples=100, deadline=None)
+@given(weights=st.lists(st.integers(1, 30), max_size=10), capacity=st.integers(0, 60))
+def test_best_subset_is_exact(weights: list[int], capacity: int) -> None:
+    best, chosen = best_subset(weights, capacity)
+    assert best == max(s for s in subset_sums(weights) if s <= capacity)
+    assert sum(weights[j] for j in chosen) == best and len(set(chosen)) == len(chosen)
+
+
+@settings(max_examples=100, deadline=None)
+@given(weights=st.lists(st.integers(1, 20), max_size=9), capacity=st.integers(1, 30))
+def test_split_in_two_is_exact(weights: list[int], capacity: int) -> None:
+    first = split_in_two(weights, capacity)
+    total = sum(weights)
+    possible = any(total - capacity <= s <= capacity for s in subset_sums(weights))
+    assert (first is not None) == possible
+    if first is not None:
+        one = sum(weights[j] for j in first)
+        assert one <= capacity and total - one <= capacity
+
+
+def test_descent_worked_example() -> None:
+    # The PartialPacking docstring: sizes [6, 3, 3, 4, 4], bins [[0, 1], [3]], pool [2, 4].
+    sizes = [6, 3, 3, 4, 4]
+    state = PartialPacking(
+        sizes,
+        sizes,
+        10,
+        [[0, 1], [3]],
+        [2, 4],
+        objective=LINEAR,
+        rng=random.Random(0),
+        deadline=None,
+    )
+    assert state.fits(0) is False and state.fits(1) is True  # pool 3 + 4 = 7 fits one new bin
+    assert state.descent(target=0) is True  # bin 0 swaps its 3 for a 4, bin 1 takes 3 + 3
+    assert state.pool == [] and state.load.tolist() == [10, 10]
+    assert sorted(state.bins()[0]) == [0, 4] and sorted(state.bins()[1]) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("objective", [LINEAR, SQUARED])
+def test_tabu_steps_keep_items_and_capacity(objective: str) -> None:
+    rng = np.random.default_rng(1)
+    sizes = rng.integers(1, 60, 300).tolist()
+    where = best_fit_decreasing(np.array(sizes), 100)
+    bins = [np.flatnonzero(where == b).tolist() for b in range(int(where.max()) + 1)]
+    pool = bins.pop() + bins.pop()
+    classes = np.unique(sizes, return_inverse=True)[1].tolist()
+    state = PartialPacking(
+        sizes, classes, 100, bins, pool, objective=objective, rng=random.Random(2), deadline=None
+    )
+    for step in range(300):
+        if step % 50 == 0:
+            state.descent(target=1)
+        if not state.tabu_step():
+            break
+        assert all(sum(sizes[i] for i in b) <= 100 for b in state.bins())
+        held = sorted([i for b in state.bins() for i in b] + state.pool)
+        assert held == list(range(len(sizes)))
+    assert state.steps > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 30), min_size=1, max_size=60),
+    capacity=st.integers(30, 40),
+    seed=st.integers(0, 5),
+)
+def test_improve_never_adds_bins_and_is_reproducible(
+    sizes: list[int], capacity: int, seed: int
+) -> None:
+    arr = np.array(sizes, dtype=np.int64)
+    start = best_fit_decreasing(arr, capacity)
+    kwargs: dict[str, Any] = {
+        "seed": seed,
+        "time_limit_s": None,
+        "max_steps": 300,
+        "lower_bound": lower_bound(arr, capacity),
+    }
+    out = improve(arr, start, capacity, **kwargs)
+    assert np.array_equal(out, improve(arr, start, capacity, **kwargs))
+    num = int(out.max()) + 1
+    assert sorted(set(out.tolist())) == list(range(num)) and num <= int(start.max()) + 1
+    assert np.bincount(out, weights=arr).max() <= capacity
+
+
+def test_working_set_cap_keeps_other_bins(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(3)
+    sizes = rng.integers(1, 500, 2000)
+    start = best_fit_decreasing(sizes, 1000)
+    monkeypatch.setattr(search_module, "MAX_WORKING_BINS", 8)
+    out = improve(sizes, start, 1000, seed=0, time_limit_s=None, max_steps=200)
+    assert int(out.max()) <= int(start.max())
+    assert np.bincount(out, weights=sizes).max() <= 1000
+
+
+def test_zero_time_limit_returns_bfd() -> None:
+    lengths = [3, 3, 2, 2, 2, 2, 3, 3]
+    assert plan(lengths, 10, algorithm="best", time_limit_s=0).bins == plan(lengths, 10).bins
+    assert plan(lengths, 10, algorithm="best", max_search_steps=0).num_bins == 3
+
+
+def test_seed_changes_the_search_not_the_guarantee() -> None:
+    rng = np.random.default_rng(4)
+    lengths = np.clip(rng.lognormal(5.5, 0.8, 800), 1, 1000).astype(np.int64)
+    bfd = plan(lengths, 1000)
+    plans = [
+        plan(lengths, 1000, algorithm="best", seed=s, time_limit_s=None, max_search_steps=400)
+        for s in (0, 1)
+    ]
+    assert all(p.num_bins <= bfd.num_bins for p in plans)
+    assert plans[0] == plan(
+        lengths, 1000, algorithm="best", seed=0, time_limit_s=None, max_search_steps=400
+    )
