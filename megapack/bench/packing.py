@@ -1,8 +1,13 @@
-"""Packing benchmark: every algorithm's efficiency against the lower bound, and its planning time."""
+"""Packing benchmark: every algorithm's efficiency against the lower bound, planning time and memory.
+
+Also the streaming packer at buffer 1,000 on the real lengths, and BFD on ``big_n`` lognormal lengths
+with its peak traced memory (the O(n) target).
+"""
 
 from __future__ import annotations
 
 import time
+import tracemalloc
 from typing import Any
 
 import numpy as np
@@ -23,16 +28,66 @@ def run_packing(lengths: list[int], best_time_limit_s: float, big_n: int) -> lis
     ]
     for name, values, capacity, algorithms in cases:
         for algorithm in algorithms:
+            traced = (
+                name != "openchat"
+            )  # tracemalloc slows Python code: trace only the O(n) memory row
+            if traced:
+                tracemalloc.start()
             start = time.perf_counter()
             result = plan(values, capacity, algorithm=algorithm, time_limit_s=best_time_limit_s)
             seconds = time.perf_counter() - start
-            tokens = result.num_bins * capacity * result.efficiency
-            rows.append({
-                "dataset": name, "algorithm": algorithm, "capacity": capacity, "rows": result.num_bins,
-                "efficiency": result.efficiency, "lower_bound": result.lower_bound,
-                "lower_bound_efficiency": tokens / (result.lower_bound * capacity), "seconds": seconds,
-            })  # fmt: skip
+            peak = tracemalloc.get_traced_memory()[1] if traced else None
+            tracemalloc.stop()
+            rows.append(
+                _row(
+                    name,
+                    algorithm,
+                    capacity,
+                    result.num_bins,
+                    result.packed_tokens,
+                    result.lower_bound,
+                    seconds,
+                    peak,
+                )
+            )
+    from megapack.packing import StreamingPacker
+
+    start = time.perf_counter()
+    bins = list(StreamingPacker(OPENCHAT_CAP, buffer_size=1000).pack(lengths))
+    seconds = time.perf_counter() - start
+    bound = next(r["lower_bound"] for r in rows if r["dataset"] == "openchat")
+    tokens = sum(p.stop - p.start for b in bins for p in b)
+    rows.append(
+        _row(
+            "openchat",
+            "streaming bfd, buffer 1,000",
+            OPENCHAT_CAP,
+            len(bins),
+            tokens,
+            bound,
+            seconds,
+            None,
+        )
+    )
     return rows
+
+
+def _row(
+    dataset: str,
+    algorithm: str,
+    capacity: int,
+    bins: int,
+    tokens: int,
+    bound: int,
+    seconds: float,
+    peak: int | None,
+) -> dict[str, Any]:
+    return {
+        "dataset": dataset, "algorithm": algorithm, "capacity": capacity, "rows": bins,
+        "efficiency": tokens / (bins * capacity), "lower_bound": bound,
+        "lower_bound_efficiency": tokens / (bound * capacity), "seconds": seconds,
+        "peak_mib": None if peak is None else peak / 2**20,
+    }  # fmt: skip
 
 
 def _lognormal(n: int) -> np.ndarray:

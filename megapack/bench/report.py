@@ -62,7 +62,9 @@ def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> s
     rule = "| " + " | ".join("---" for _ in columns) + " |"
     body = [
         "| "
-        + " | ".join(format(row[key], fmt) if key in row else "" for _, key, fmt in columns)
+        + " | ".join(
+            format(row[key], fmt) if row.get(key) is not None else "" for _, key, fmt in columns
+        )
         + " |"
         for row in rows
     ]
@@ -102,6 +104,7 @@ def markdown(results: dict[str, Any]) -> str:
             ("dataset", "dataset", "s"), ("algorithm", "algorithm", "s"), ("capacity", "capacity", ","), ("rows", "rows", ","),
             ("lower bound (rows)", "lower_bound", ","), ("efficiency", "efficiency", ".2%"),
             ("bound's efficiency", "lower_bound_efficiency", ".2%"), ("seconds", "seconds", ".2f"),
+            ("peak MiB", "peak_mib", ".0f"),
         ]))  # fmt: skip
     return "\n\n".join(parts) + "\n"
 
@@ -195,7 +198,11 @@ def plots(results: dict[str, Any], directory: str) -> list[Path]:
         ax.legend(fontsize=8)
         written.append(_save(fig, out / "transfer.png", plt))
     if results["packing"]:
-        rows = [r for r in results["packing"] if r["dataset"] == "openchat"]
+        rows = [
+            r
+            for r in results["packing"]
+            if r["dataset"] == "openchat" and not r["algorithm"].startswith("streaming")
+        ]
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.bar(
             [r["algorithm"] for r in rows], [100 * r["efficiency"] for r in rows], color="#4c72b0"
