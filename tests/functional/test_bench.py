@@ -46,7 +46,14 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
         assert r["tokens_per_s"] > 0 and 0 < r["efficiency"] <= 1
         assert r["theoretical_speedup"] >= 1.0 - 1e-9 or r["mode"] == "packed"
     algorithms = {r["algorithm"] for r in data["packing"] if r["dataset"] == "openchat"}
-    assert algorithms == {"next_fit", "first_fit", "ffd", "bfd", "best", "streaming bfd, buffer 1,000"}
+    assert algorithms == {
+        "next_fit",
+        "first_fit",
+        "ffd",
+        "bfd",
+        "best",
+        "streaming bfd, buffer 1,000",
+    }
     best = {r["algorithm"]: r["rows"] for r in data["packing"] if r["dataset"] == "openchat"}
     assert best["best"] <= best["bfd"]
     for name in ("throughput.png", "transfer.png", "packing.png"):
