@@ -7,8 +7,8 @@ gloo on CPU (megatron-core's CUDA calls redirected by megapack.testing.megatron_
 The structure follows Megatron-LM's pretrain_gpt.py: ``model_provider``, ``get_batch`` (here
 megapack.get_batch_on_this_tp_rank), ``loss_func``, ``forward_step``, and megatron-core's schedules.
 Every step trains on the same generated documents (lognormal lengths, like SFT data); packed
-mode puts several documents in each row of ``--seq-len`` tokens, padded mode one per row. It prints
-the loss and real (non-padding) tokens per second.
+mode packs them into rows of ``--seq-len`` tokens with megapack.packing.plan (best-fit decreasing),
+padded mode puts one per row. It prints the loss and real (non-padding) tokens per second.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import megapack
 from megapack.megatron import packed_gpt_layer_spec
+from megapack.packing import plan
 from megapack.testing.gpt import packed_micro_batch, padded_micro_batch
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed")
@@ -93,21 +94,6 @@ def documents(args: argparse.Namespace) -> list[list[int]]:
     return [rng.integers(1, args.vocab, n).tolist() for n in lengths]
 
 
-def rows_first_fit(docs: list[list[int]], seq_len: int) -> list[list[list[int]]]:
-    """First-fit decreasing: documents into rows of at most seq_len tokens."""
-    rows: list[list[list[int]]] = []
-    room: list[int] = []
-    for doc in sorted(docs, key=len, reverse=True):
-        slot = next((i for i, r in enumerate(room) if r >= len(doc)), None)
-        if slot is None:
-            rows.append([])
-            room.append(seq_len)
-            slot = len(rows) - 1
-        rows[slot].append(doc)
-        room[slot] -= len(doc)
-    return rows
-
-
 def micro_batches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
     docs = documents(args)
     if args.padded:
@@ -115,10 +101,12 @@ def micro_batches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
             padded_micro_batch(docs[i : i + args.mbs], args.seq_len)
             for i in range(0, len(docs), args.mbs)
         ]
-    rows = rows_first_fit(docs, args.seq_len)
-    rows += [[[0]]] * (
-        -len(rows) % args.mbs
-    )  # whole micro-batches: a 1-token filler row trains nothing
+    packing = plan([len(d) for d in docs], args.seq_len, algorithm="bfd")  # best-fit decreasing
+    rows = [[docs[i][a:b] for i, a, b in row] for row in packing.bins]
+    filler: list[list[int]] = [
+        [0]
+    ]  # a 1-token row that trains nothing, to fill the last micro-batch
+    rows += [filler] * (-len(rows) % args.mbs)
     return [
         packed_micro_batch(rows[i : i + args.mbs], args.seq_len)
         for i in range(0, len(rows), args.mbs)

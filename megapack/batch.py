@@ -278,48 +278,9 @@ class PackedBatch:
             rows of s=4 with cu_seqlens ``[[0, 3, 4, -1], [0, 4, 4, 4]]`` merge into
             ``cu_seqlens [0, 3, 4, 8]``.
         """
-        tokens = grid_tensor(batch, "tokens")
-        b, s = tokens.shape
-        grid = {
-            name: grid_tensor(batch, name, (b, s))
-            for name in ("labels", "loss_mask", "position_ids")
-        }
-        grid["tokens"] = tokens
-        raw = batch["cu_seqlens"]
-        cu_rows = np.asarray(raw.detach().cpu() if isinstance(raw, torch.Tensor) else raw)
-        if cu_rows.ndim == 1 and b == 1:
-            cu_rows = cu_rows[None]
-        if cu_rows.ndim != 2 or cu_rows.shape[0] != b:
-            raise ValueError(
-                f"cu_seqlens has shape {tuple(cu_rows.shape)}; expected [b, k] with b={b} rows like tokens"
-            )
-        if not np.issubdtype(cu_rows.dtype, np.integer):
-            raise TypeError(f"cu_seqlens must hold integers, got dtype {cu_rows.dtype}")
-        merged = [0]
-        for row in range(b):
-            bounds = _row_boundaries(cu_rows[row], s, row)
-            merged.extend(int(v) + row * s for v in bounds[1:])
-        cu = np.asarray(merged, dtype=np.int64)
-        longest = int(np.diff(cu).max())
-        max_seqlen = longest
-        if batch.get("max_seqlen") is not None:
-            given = batch["max_seqlen"]
-            given_max = int(
-                given.max().item() if isinstance(given, torch.Tensor) else np.max(given)
-            )
-            if given_max < longest:
-                raise ValueError(
-                    f"max_seqlen={given_max} is below the longest document ({longest} tokens)"
-                )
-            max_seqlen = given_max
-        return cls(
-            tokens=grid["tokens"].to(TOKEN_DTYPE).reshape(1, b * s),
-            labels=grid["labels"].to(TOKEN_DTYPE).reshape(1, b * s),
-            loss_mask=grid["loss_mask"].to(MASK_DTYPE).reshape(1, b * s),
-            position_ids=grid["position_ids"].to(TOKEN_DTYPE).reshape(1, b * s),
-            cu_seqlens=torch.from_numpy(cu.astype(np.int32)).to(grid["tokens"].device),
-            max_seqlen=max_seqlen,
-        ).validate()
+        from megapack.sft import merge_rows
+
+        return merge_rows(batch)
 
 
 def make_packed_seq_params(
@@ -339,68 +300,6 @@ def make_packed_seq_params(
         max_seqlen_q=max_seqlen,
         max_seqlen_kv=max_seqlen,
     )
-
-
-def grid_tensor(
-    batch: Mapping[str, Any], name: str, shape: tuple[int, ...] | None = None
-) -> torch.Tensor:
-    """``batch[name]`` as a [b, s] tensor, checked against ``shape`` (default: ``batch['tokens']``'s)."""
-    if name not in batch or batch[name] is None:
-        raise ValueError(f"batch is missing {name!r} (got keys {sorted(batch)})")
-    value = batch[name]
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"batch[{name!r}] must be a torch.Tensor, got {type(value).__name__}")
-    if value.dim() != 2:
-        raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)}; expected [b, s]")
-    if name == "loss_mask":
-        if value.dtype.is_complex:
-            raise TypeError(
-                f"batch['loss_mask'] has dtype {value.dtype}; expected a real or bool mask"
-            )
-    elif value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-        raise TypeError(
-            f"batch[{name!r}] has dtype {value.dtype}; expected integer token ids/positions"
-        )
-    if shape is not None and tuple(value.shape) != shape:
-        raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)} but tokens has {shape}")
-    return value
-
-
-def _row_boundaries(values: np.ndarray, s: int, row: int) -> np.ndarray:
-    """One row's boundaries up to the first ``s``; the rest must be sentinels (-1 or s)."""
-    if len(values) < 2 or values[0] != 0:
-        raise ValueError(
-            f"cu_seqlens row {row} must start with 0 and hold >= 2 boundaries, got {values.tolist()}"
-        )
-    past = values[values > s]
-    if len(past):
-        raise ValueError(
-            f"cu_seqlens row {row} has boundary {int(past[0])} past the sequence length s={s} "
-            f"(row {values.tolist()})"
-        )
-    hits = np.flatnonzero(values == s)
-    if len(hits) == 0:
-        real = values[values >= 0]
-        raise ValueError(
-            f"cu_seqlens row {row} never reaches the sequence length s={s} (last boundary {int(real.max())}; "
-            f"row {values.tolist()}); boundaries must cover the whole row, padding included"
-        )
-    end = int(hits[0])
-    bounds, tail = values[: end + 1], values[end + 1 :]
-    bad_tail = tail[(tail != -1) & (tail != s)]
-    if len(bad_tail):
-        raise ValueError(
-            f"cu_seqlens row {row} has {int(bad_tail[0])} after reaching s={s}; after the last boundary "
-            "only -1 or repeats of s may follow"
-        )
-    step = np.diff(bounds)
-    if (step <= 0).any():
-        i = int(np.flatnonzero(step <= 0)[0])
-        raise ValueError(
-            f"cu_seqlens row {row} is not strictly increasing: {int(bounds[i + 1])} follows "
-            f"{int(bounds[i])} at index {i + 1} (row {values.tolist()})"
-        )
-    return bounds
 
 
 def _check_dtype(name: str, value: torch.Tensor, want: torch.dtype) -> None:

@@ -21,15 +21,9 @@ from typing import Any
 
 import torch
 
-from megapack.batch import (
-    CU_DTYPE,
-    MASK_DTYPE,
-    TOKEN_DTYPE,
-    PackedBatch,
-    grid_tensor,
-    make_packed_seq_params,
-)
+from megapack.batch import CU_DTYPE, MASK_DTYPE, TOKEN_DTYPE, PackedBatch, make_packed_seq_params
 from megapack.errors import ProtocolError
+from megapack.sft import grid_tensor
 from megapack.topology import Stage
 
 ALL_STAGES = frozenset(Stage)
