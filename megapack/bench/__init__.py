@@ -136,10 +136,11 @@ class _Runner:
     def run(self, fn: Any, world_size: int, *args: Any) -> list[dict[str, Any]]:
         if self.launched:
             if dist.get_world_size() != world_size:
-                print(
-                    f"skipped {fn.__name__}: needs {world_size} ranks, torchrun started {dist.get_world_size()}",
-                    file=sys.stderr,
-                )
+                if dist.get_rank() == 0:
+                    print(
+                        f"skipped {fn.__name__} for {world_size} ranks: torchrun started {dist.get_world_size()}",
+                        file=sys.stderr,
+                    )
                 return []
             return list(fn(*args))
         if self.pool is None:
