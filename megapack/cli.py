@@ -62,7 +62,7 @@ def _read(args: argparse.Namespace, tokenizer: Any = None) -> tuple[list[Any], s
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
-    from megapack.data.dataset import PackedDataset
+    from megapack.data import PackedDataset
 
     tokenizer = _tokenizer(args.tokenizer)
     docs, note = _read(args, tokenizer)

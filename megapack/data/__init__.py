@@ -5,6 +5,7 @@
       read_indexed                megatron-core .bin/.idx pairs
       read_numpy / documents_from_*  token arrays with offsets, eos splitting, lists of arrays
     split_document(doc, max_len)  cut long documents at message boundaries for a packer
+    PackedDataset                 documents packed into equal per-rank shards of PackedBatch micro-batches
     ByteTokenizer, HFTokenizer    the Tokenizer protocol's two implementations
     ChatTemplate                  how chat messages are rendered and which turns are learned
 
@@ -22,6 +23,7 @@ from megapack.data.arrays import (
     read_numpy,
 )
 from megapack.data.chat import ChatTemplate
+from megapack.data.dataset import PackedDataset
 from megapack.data.document import Document
 from megapack.data.indexed import read_indexed
 from megapack.data.jsonl import JsonlReader, JsonlStats, read_jsonl
@@ -38,6 +40,7 @@ __all__ = [
     "HFTokenizer",
     "JsonlReader",
     "JsonlStats",
+    "PackedDataset",
     "Tokenizer",
     "documents_from_array",
     "documents_from_arrays",

@@ -13,8 +13,7 @@ import pytest
 
 from megapack import Topology, get_batch_on_this_tp_rank
 from megapack.cli import main
-from megapack.data import read_documents
-from megapack.data.dataset import PackedDataset
+from megapack.data import PackedDataset, read_documents
 
 LINES = [
     {"text": "The quick brown fox jumps over the lazy dog. " * 3},

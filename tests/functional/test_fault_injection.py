@@ -291,8 +291,7 @@ def test_timeout_setting_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
 def run_dataset_lockstep(sizes: list[int]) -> Any:
     import numpy as np
 
-    from megapack.data import Document
-    from megapack.data.dataset import PackedDataset
+    from megapack.data import Document, PackedDataset
 
     rank = dist.get_rank()
     docs = [Document(tokens=np.arange(1, 33), loss_mask=np.ones(32, dtype=np.float32))] * sizes[

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from megapack import PackedBatch
-from megapack.data import Document
-from megapack.data.dataset import PackedDataset
+from megapack.data import Document, PackedDataset
 
 
 def corpus(n: int = 40, seed: int = 0, max_len: int = 50) -> list[Document]:
