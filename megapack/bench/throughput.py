@@ -7,7 +7,10 @@ documents in every mode:
 
 * ``packed``: `megapack.packing.plan` (BFD) rows of ``seq_len``, ``rows`` rows per THD micro-batch;
 * ``padded_fixed``: one document per row padded to ``seq_len`` (Megatron's SFT), ``rows`` per micro-batch;
-* ``padded_longest``: groups of 8 documents in order, padded to the group's longest.
+* ``padded_longest``: ``rows`` documents per micro-batch in order, padded to the micro-batch's longest.
+
+Every mode has the same micro-batch size, ``rows`` (Megatron's micro-batch size: a packed row takes
+the place of one sequence), so they differ only in how documents fill the slots.
 
 ``theoretical_speedup`` of a padded mode = its token slots / packed token slots (the compute a
 perfect kernel would save); the measured speedup is packed tokens/s / the mode's tokens/s.
@@ -28,7 +31,6 @@ from megapack.batch import PackedBatch
 from megapack.testing.gpt import TinyGPT, forward_step, init_weights
 
 MODES = ("packed", "padded_fixed", "padded_longest")
-LONGEST_GROUP = 8
 
 
 def micro_batches(mode: str, docs: list[np.ndarray], seq_len: int, rows: int) -> list[Any]:
@@ -48,7 +50,7 @@ def micro_batches(mode: str, docs: list[np.ndarray], seq_len: int, rows: int) ->
     if mode == "padded_fixed":
         groups = [docs[i : i + rows] for i in range(0, len(docs), rows)]
         return [_plain(group, seq_len) for group in groups]
-    groups = [docs[i : i + LONGEST_GROUP] for i in range(0, len(docs), LONGEST_GROUP)]
+    groups = [docs[i : i + rows] for i in range(0, len(docs), rows)]
     return [_plain(group, max(len(d) for d in group)) for group in groups]
 
 

@@ -44,7 +44,8 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
     }
     for r in data["throughput"]:
         assert r["tokens_per_s"] > 0 and 0 < r["efficiency"] <= 1
-        assert r["theoretical_speedup"] >= 1.0 - 1e-9 or r["mode"] == "packed"
+        if r["mode"] == "padded_fixed":  # one document per row never needs fewer rows than packing
+            assert r["theoretical_speedup"] >= 1.0
     algorithms = {r["algorithm"] for r in data["packing"] if r["dataset"] == "openchat"}
     assert algorithms == {
         "next_fit",
