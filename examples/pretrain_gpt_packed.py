@@ -94,8 +94,7 @@ def documents(args: argparse.Namespace) -> list[list[int]]:
     return [rng.integers(1, args.vocab, n).tolist() for n in lengths]
 
 
-def micro_batches(args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
-    docs = documents(args)
+def micro_batches(args: argparse.Namespace, docs: list[list[int]]) -> list[dict[str, torch.Tensor]]:
     if args.padded:
         return [
             padded_micro_batch(docs[i : i + args.mbs], args.seq_len)
@@ -155,7 +154,8 @@ def main() -> None:
         model.cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     topology = megapack.Topology.from_parallel_state()
-    micro = micro_batches(args)
+    docs = documents(args)
+    micro = micro_batches(args, docs)
     real_tokens = int(sum(m["loss_mask"].sum().item() for m in micro))
     slots = sum(m["tokens"].numel() for m in micro)
     seq_length, mbs = (args.mbs * args.seq_len, 1) if not args.padded else (args.seq_len, args.mbs)
@@ -163,9 +163,9 @@ def main() -> None:
     rank0 = dist.get_rank() == 0
     if rank0:
         mode = "padded" if args.padded else "packed"
-        print(f"{mode}: tp={args.tp} pp={args.pp} {len(args_docs := documents(args))} docs, "
+        print(f"{mode}: tp={args.tp} pp={args.pp} {len(docs)} docs, "
               f"{len(micro)} micro-batches, {slots} token slots, {real_tokens} trained tokens "
-              f"({real_tokens / slots:.1%} of slots), {sum(map(len, args_docs))} document tokens")  # fmt: skip
+              f"({real_tokens / slots:.1%} of slots), {sum(map(len, docs))} document tokens")  # fmt: skip
     for step in range(args.steps):
         dist.barrier()
         start = time.perf_counter()
