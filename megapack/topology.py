@@ -1,4 +1,4 @@
-"""Where this rank sits in the tensor- and pipeline-parallel grid, as one frozen object.
+"""Where this rank sits in the tensor-, pipeline- and context-parallel grid, as one frozen object.
 
 megapack keeps no module-level process groups: build a `Topology` once, from megatron-core's
 ``parallel_state`` (`Topology.from_parallel_state`) or from groups a script manages itself
@@ -10,6 +10,9 @@ Pipeline stages (``Stage``), for ``pp_size`` stages and optional virtual chunks:
     pp_rank == 0 and first virtual chunk  -> FIRST  (embedding: needs tokens, position_ids)
     last pp_rank and last virtual chunk   -> LAST   (loss: needs labels, loss_mask)
     anything else                         -> MIDDLE (only attention metadata)
+
+Context parallelism (``cp_size > 1``) is orthogonal to the stage: each CP rank's TP group has its
+own TP source, which reads the same full row and keeps its CP share (`megapack.cp`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from megapack.cp import CP_LAYOUTS, CpLayout
 
 
 class Stage(enum.Enum):
@@ -55,6 +60,14 @@ class Topology:
     """Number of virtual chunks per stage, or None without virtual pipelining."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """Device of the tensors every TP rank returns: CUDA for NCCL groups, CPU for gloo."""
+    cp_group: dist.ProcessGroup | None = None
+    """Process group of this rank's context-parallel peers; None without context parallelism."""
+    cp_ranks: tuple[int, ...] = ()
+    """Global ranks of the CP group in CP-rank order; empty without context parallelism (cp_size 1)."""
+    cp_rank: int = 0
+    """This rank's index in ``cp_ranks`` (0 without context parallelism)."""
+    cp_layout: CpLayout = "document"
+    """How a row is split over CP ranks: "document" or "row" (`megapack.cp`)."""
 
     def __post_init__(self) -> None:
         if not self.tp_ranks:
@@ -75,10 +88,21 @@ class Topology:
             and not 0 <= self.vp_stage < self.vp_size
         ):
             raise ValueError(f"Topology.vp_stage={self.vp_stage} is outside vp_size={self.vp_size}")
+        if not 0 <= self.cp_rank < self.cp_size:
+            raise ValueError(f"Topology.cp_rank={self.cp_rank} is outside cp_ranks={self.cp_ranks}")
+        if len(self.cp_ranks) > 1 and self.cp_group is None:
+            raise ValueError(f"Topology.cp_group is None but cp_ranks={self.cp_ranks} has peers")
+        if self.cp_layout not in CP_LAYOUTS:
+            raise ValueError(f"Topology.cp_layout={self.cp_layout!r} is not one of {CP_LAYOUTS}")
 
     @property
     def tp_size(self) -> int:
         return len(self.tp_ranks)
+
+    @property
+    def cp_size(self) -> int:
+        """Number of context-parallel ranks (1 without context parallelism)."""
+        return max(1, len(self.cp_ranks))
 
     @property
     def src_rank(self) -> int:
@@ -123,6 +147,8 @@ class Topology:
         vp_stage: int | None = None,
         vp_size: int | None = None,
         device: torch.device | str | None = None,
+        cp_group: dist.ProcessGroup | None = None,
+        cp_layout: CpLayout = "document",
     ) -> Topology:
         """Build a topology from a TP process group a script created itself.
 
@@ -132,6 +158,8 @@ class Topology:
             vp_stage, vp_size: virtual pipeline chunk and chunk count, or None.
             device: where returned tensors live; by default CUDA's current device when the group
                 uses NCCL, else CPU.
+            cp_group: this rank's context-parallel group; None (or a group of one) without CP.
+            cp_layout: "document" or "row", how rows are split over CP ranks (`megapack.cp`).
         """
         if tp_group is None:
             ranks: tuple[int, ...] = (dist.get_rank() if dist.is_initialized() else 0,)
@@ -143,6 +171,17 @@ class Topology:
                 raise ValueError(
                     f"this rank ({dist.get_rank()}) is not a member of tp_group {ranks}"
                 )
+        cp_ranks: tuple[int, ...] = ()
+        cp_rank = 0
+        if cp_group is not None:
+            cp_ranks = tuple(dist.get_process_group_ranks(cp_group))
+            cp_rank = dist.get_rank(cp_group)
+            if cp_rank < 0:
+                raise ValueError(
+                    f"this rank ({dist.get_rank()}) is not a member of cp_group {cp_ranks}"
+                )
+            if len(cp_ranks) == 1:
+                cp_group, cp_ranks = None, ()
         return cls(
             tp_group=tp_group if len(ranks) > 1 else None,
             tp_ranks=ranks,
@@ -152,15 +191,23 @@ class Topology:
             vp_stage=vp_stage,
             vp_size=vp_size,
             device=torch.device(device) if device is not None else default_device(tp_group),
+            cp_group=cp_group,
+            cp_ranks=cp_ranks,
+            cp_rank=cp_rank,
+            cp_layout=cp_layout,
         )
 
     @classmethod
-    def from_parallel_state(cls, *, vp_stage: int | None = None) -> Topology:
+    def from_parallel_state(
+        cls, *, vp_stage: int | None = None, cp_layout: CpLayout = "document"
+    ) -> Topology:
         """Read this rank's place from megatron-core's initialized ``parallel_state``.
 
         Args:
             vp_stage: the virtual pipeline chunk being served, required when megatron-core was
                 initialized with ``virtual_pipeline_model_parallel_size``.
+            cp_layout: "document" or "row", how rows are split over context-parallel ranks
+                (used when ``context_parallel_size > 1``; `megapack.cp`).
         """
         from megatron.core import parallel_state as ps  # lazy: importing megatron takes ~5 s
 
@@ -183,6 +230,10 @@ class Topology:
             pp_size=ps.get_pipeline_model_parallel_world_size(),
             vp_stage=vp_stage,
             vp_size=vp_size,
+            cp_group=ps.get_context_parallel_group()
+            if ps.get_context_parallel_world_size() > 1
+            else None,
+            cp_layout=cp_layout,
         )
 
 

@@ -53,3 +53,22 @@ def test_invalid_topologies_are_rejected(kwargs: dict, match: str) -> None:
 def test_single_is_its_own_source() -> None:
     t = Topology.single()
     assert t.is_source and t.tp_size == 1 and t.src_rank == 0 and t.stage is Stage.ONLY
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"cp_ranks": (0, 1), "cp_rank": 2}, r"cp_rank=2 is outside cp_ranks=\(0, 1\)"),
+        ({"cp_ranks": (0, 1), "cp_rank": 0}, "cp_group is None but cp_ranks"),
+        ({"cp_layout": "zigzag"}, "cp_layout='zigzag' is not one of"),
+    ],
+)
+def test_invalid_cp_settings_are_rejected(kwargs: dict, match: str) -> None:
+    base = {"tp_group": None, "tp_ranks": (0,), "tp_rank": 0}
+    with pytest.raises(ValueError, match=match):
+        Topology(**{**base, **kwargs})
+
+
+def test_cp_size_defaults_to_one() -> None:
+    t = Topology.single()
+    assert t.cp_size == 1 and t.cp_rank == 0 and t.cp_group is None and t.cp_layout == "document"
