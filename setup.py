@@ -12,6 +12,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megapack", "megapack.*"]),
+    package_data={"megapack.bench": ["data/*.json", "data/*.md"]},
     install_requires=["torch>=2.4", "numpy>=1.24", "megatron-core>=0.12"],
     extras_require={
         "test": [

@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--lengths",
-        help="JSON list of real document lengths (default: ../shared/data/openchat_v1_lengths.json)",
+        help="JSON list of real document lengths (default: the bundled OpenChat V1 lengths)",
     )
     p.add_argument("--skip", nargs="*", default=[], choices=["transfer", "throughput", "packing"])
 

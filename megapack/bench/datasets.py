@@ -1,47 +1,62 @@
-"""Length distributions for the benchmarks: real OpenChat V1 SFT lengths and a short-document SFT mix."""
+"""Length distributions for the benchmarks: real OpenChat V1 SFT lengths and a short-document SFT mix.
+
+The OpenChat lengths ship with megapack as package data (``megapack/bench/data/``, see its README for
+the source and the figures other packers reach on them), so a fresh clone or an installed wheel
+benchmarks on the real distribution with nothing beside it.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
 OPENCHAT_CAP = 2048  # the OpenChat lengths are capped at 2,048 tokens
+OPENCHAT_FILE = "openchat_v1_lengths.json"
 ENV = "MEGAPACK_LENGTHS"
 
 
-def _candidates() -> list[Path]:
-    name = Path("data") / "openchat_v1_lengths.json"
-    repo = Path(__file__).resolve().parents[2]
-    return [
-        Path.cwd() / ".." / "shared" / name,
-        repo / ".." / "shared" / name,
-        Path.cwd() / "shared" / name,
-    ]
+def bundled_lengths_path() -> Path:
+    """Path of the OpenChat V1 lengths bundled with megapack (``megapack/bench/data/``)."""
+    return Path(str(resources.files("megapack.bench") / "data" / OPENCHAT_FILE))
 
 
-def load_lengths(path: str | None = None) -> tuple[list[int], str]:
-    """(lengths, where they came from): ``path``, $MEGAPACK_LENGTHS, or ../shared/data/openchat_v1_lengths.json.
+def load_lengths(path: str | os.PathLike[str] | None = None) -> tuple[list[int], str]:
+    """(lengths, where they came from): ``path``, else $MEGAPACK_LENGTHS, else the bundled OpenChat V1 lengths.
 
-    Falls back to 6,144 synthetic lognormal lengths capped at 2,048 (and says so) when no file is found.
+    Args:
+        path: a JSON list of positive ints; None for $MEGAPACK_LENGTHS or the bundled file.
+
+    Returns:
+        The lengths and a label naming the file and how many lengths it held.
+
+    Raises:
+        FileNotFoundError: the file named by ``path`` or $MEGAPACK_LENGTHS does not exist.
+        ValueError: the file is not a non-empty JSON list of positive ints.
+
+    Example:
+        >>> lengths, source = load_lengths()
+        >>> len(lengths), max(lengths), source.endswith("(6,144 lengths)")
+        (6144, 2048, True)
     """
     explicit = path or os.environ.get(ENV)
-    candidates = [Path(explicit)] if explicit else _candidates()
-    for candidate in candidates:
-        if candidate.is_file():
-            values = json.loads(candidate.read_text())
-            if not isinstance(values, list) or not all(
-                isinstance(v, int) and v > 0 for v in values
-            ):
-                raise ValueError(f"{candidate}: expected a JSON list of positive ints")
-            return values, f"{candidate.resolve()} ({len(values):,} lengths)"
-    if explicit:
-        raise FileNotFoundError(f"lengths file {explicit} not found")
-    rng = np.random.default_rng(0)
-    synthetic = np.clip(rng.lognormal(7.0, 0.9, 6144), 24, OPENCHAT_CAP).astype(int).tolist()
-    return synthetic, "synthetic lognormal stand-in (openchat_v1_lengths.json not found)"
+    candidate = Path(explicit) if explicit else bundled_lengths_path()
+    if not candidate.is_file():
+        where = "--lengths" if path else f"${ENV}"
+        raise FileNotFoundError(f"lengths file {str(explicit)!r} (from {where}) not found")
+    values = json.loads(candidate.read_text())
+    if (
+        not isinstance(values, list)
+        or not values
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
+    ):
+        raise ValueError(
+            f"{candidate}: expected a non-empty JSON list of positive ints, e.g. [512, 2048, 37]"
+        )
+    return values, f"{candidate.resolve()} ({len(values):,} lengths)"
 
 
 def throughput_datasets(

@@ -7,7 +7,7 @@ bins numbered in the order they were opened. Worked example, sizes ``[3, 2, 4]``
     first_fit_decreasing (4, 3, 2):     4 opens bin 0, 3 opens bin 1, 2 joins bin 1 -> [1, 1, 0]
 
 * ``next_fit`` keeps one open bin and opens a new one when the next item does not fit: streaming,
-  O(n), no memory of earlier bins (83.7% efficient on OpenChat V1, see ``../shared/data``).
+  O(n), no memory of earlier bins (83.7% efficient on OpenChat V1, see ``megapack/bench/data/README.md``).
 * ``first_fit`` puts each item, in input order, into the lowest-numbered bin with room.
 * ``first_fit_decreasing`` does the same after sorting by size, largest first (stable), and moves
   groups of equal items at once: the first bin with room takes ``free // size`` of them in a row.

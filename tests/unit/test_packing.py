@@ -8,7 +8,6 @@ import doctest
 import importlib
 import itertools
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,11 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megapack.bench.datasets import bundled_lengths_path
 from megapack.packing import ALGORITHMS, LONG_DOC_POLICIES, PackPlan, lower_bound, plan
 
-OPENCHAT = (
-    Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "openchat_v1_lengths.json"
-)
+OPENCHAT = bundled_lengths_path()  # package data: always there, never skipped
 FAST: dict[str, Any] = {
     "time_limit_s": None,
     "max_search_steps": 200,
@@ -275,7 +273,6 @@ def test_bfd_matches_reference_on_many_sizes() -> None:
 
 
 # -- real data and docs ----------------------------------------------------------------------------
-@pytest.mark.skipif(not OPENCHAT.exists(), reason=f"OpenChat V1 lengths not found at {OPENCHAT}")
 def test_openchat_efficiency_sanity() -> None:
     lengths = json.loads(OPENCHAT.read_text())
     bfd = plan(lengths, 2048)

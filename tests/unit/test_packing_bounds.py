@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import json
 from functools import cache
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megapack.bench.datasets import bundled_lengths_path
 from megapack.packing import l1_bound, l2_bound, lower_bound
 
-OPENCHAT = (
-    Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "openchat_v1_lengths.json"
-)
+OPENCHAT = bundled_lengths_path()  # package data: always there, never skipped
 
 
 @pytest.mark.parametrize(
@@ -84,7 +82,6 @@ def test_bounds_never_exceed_the_optimum(capacity: int, data: st.DataObject) -> 
     assert l1_bound(arr, capacity) <= lower_bound(arr, capacity) <= best
 
 
-@pytest.mark.skipif(not OPENCHAT.exists(), reason=f"OpenChat V1 lengths not found at {OPENCHAT}")
 def test_openchat_bounds_match_the_data_readme() -> None:
     lengths = np.array(json.loads(OPENCHAT.read_text()), dtype=np.int64)
     assert (l1_bound(lengths, 2048), l2_bound(lengths, 2048)) == (4650, 4663)

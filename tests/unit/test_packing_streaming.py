@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megapack.bench.datasets import bundled_lengths_path
 from megapack.packing import Piece, StreamingPacker
 from megapack.packing import streaming as streaming_module
 
-OPENCHAT = (
-    Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "openchat_v1_lengths.json"
-)
+OPENCHAT = bundled_lengths_path()  # package data: always there, never skipped
 
 
 def triples(bins: object) -> list[list[tuple[int, int, int]]]:
@@ -148,7 +146,6 @@ def test_errors() -> None:
     assert Piece(1, 0, 2, "ab").doc == "ab"
 
 
-@pytest.mark.skipif(not OPENCHAT.exists(), reason=f"OpenChat V1 lengths not found at {OPENCHAT}")
 def test_openchat_streaming_efficiency() -> None:
     lengths = json.loads(OPENCHAT.read_text())
     bins = list(StreamingPacker(2048, buffer_size=1000).pack(lengths))
