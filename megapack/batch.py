@@ -153,9 +153,10 @@ class PackedBatch:
         """Pack documents into one THD row.
 
         Args:
-            docs: token sequences (lists, numpy arrays, 1-D tensors) or dicts with ``tokens`` and an
-                optional per-token ``loss_mask`` marking which tokens are learned as targets
-                (e.g. 0 on a prompt, 1 on its completion).
+            docs: token sequences (lists, numpy arrays, 1-D tensors), `megapack.data.Document`
+                objects (as `read_documents` yields them; their ``loss_mask`` is kept), or dicts with
+                ``tokens`` and an optional per-token ``loss_mask`` marking which tokens are learned
+                as targets (e.g. 0 on a prompt, 1 on its completion).
             seq_len: pad the row to exactly this many tokens; ValueError if the documents do not fit.
             pad_to_multiple_of: pad each document to a multiple of this (e.g. 2 x context-parallel
                 size, or 8/16 for FP8 kernels); then ``cu_seqlens_padded`` is set.
@@ -177,7 +178,11 @@ class PackedBatch:
             raise ValueError(f"pad_to_multiple_of must be an int >= 1, got {pad_to_multiple_of!r}")
         if len(docs) == 0:
             raise ValueError("docs is empty: a PackedBatch needs at least one document")
-        toks, masks = zip(*(_document_arrays(i, d) for i, d in enumerate(docs)), strict=True)
+        from megapack.data.document import Document as DataDocument  # lazy: data imports batch
+
+        toks, masks = zip(
+            *(_document_arrays(i, d, DataDocument) for i, d in enumerate(docs)), strict=True
+        )
         lengths = np.array([len(t) for t in toks], dtype=np.int64)
         padded = -(-lengths // pad_to_multiple_of) * pad_to_multiple_of
         total = int(padded.sum())
@@ -324,19 +329,30 @@ def _check_cu(name: str, cu: Any) -> list[int]:
     return values
 
 
-def _document_arrays(index: int, doc: Document) -> tuple[np.ndarray, np.ndarray]:
+def _document_arrays(
+    index: int, doc: Document, data_document: type
+) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, target mask) of one document as numpy arrays."""
     mask: Any = None
-    if isinstance(doc, Mapping):
+    if isinstance(doc, data_document):
+        raw, mask = doc.tokens, doc.loss_mask
+    elif isinstance(doc, Mapping):
         if "tokens" not in doc:
             raise ValueError(f"docs[{index}] is a dict without 'tokens' (keys {sorted(doc)})")
         raw, mask = doc["tokens"], doc.get("loss_mask")
     else:
         raw = doc
+    if isinstance(raw, str | bytes):
+        raise TypeError(
+            f"docs[{index}] is a {type(raw).__name__} ({_preview(raw)}); expected token ids: "
+            "tokenize text first, e.g. with megapack.data.read_documents or a Tokenizer"
+        )
     tokens = np.asarray(raw.detach().cpu() if isinstance(raw, torch.Tensor) else raw)
     if tokens.ndim != 1 or len(tokens) == 0:
         raise ValueError(
-            f"docs[{index}] must be a non-empty 1-D token sequence, got shape {tokens.shape}"
+            f"docs[{index}] must be a non-empty 1-D token sequence (list, numpy array, 1-D tensor), "
+            f"a dict with 'tokens' or a megapack.data.Document; got {type(doc).__name__} "
+            f"{_preview(doc)} with token shape {tokens.shape}"
         )
     if not np.issubdtype(tokens.dtype, np.integer):
         raise TypeError(f"docs[{index}] tokens must be integers, got dtype {tokens.dtype}")
@@ -351,3 +367,9 @@ def _document_arrays(index: int, doc: Document) -> tuple[np.ndarray, np.ndarray]
             f"but the document has {len(tokens)} tokens"
         )
     return tokens.astype(np.int64), mask_arr
+
+
+def _preview(value: Any, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

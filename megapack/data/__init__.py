@@ -9,7 +9,7 @@
     ByteTokenizer, HFTokenizer    the Tokenizer protocol's two implementations
     ChatTemplate                  how chat messages are rendered and which turns are learned
 
-Documents go into a batch through ``PackedBatch.from_documents([d.as_dict() for d in docs])``.
+Documents go into a batch as they are: ``PackedBatch.from_documents(docs, seq_len=4096)``.
 
 Importing this package is cheap: megatron-core (indexed datasets) and ``tokenizers`` (HF) are
 imported by the functions that need them.

@@ -37,7 +37,8 @@ class PackedDataset:
     """Map-style dataset of packed micro-batches for one data-parallel rank.
 
     Args:
-        documents: the corpus (e.g. ``list(megapack.data.read_documents("train.jsonl"))``).
+        documents: the corpus, read once (e.g. ``megapack.data.read_documents("train.jsonl")``;
+            that iterator is spent afterwards, so pass a list to build several datasets).
         seq_len: tokens per row; a multiple of ``pad_to_multiple_of``.
         rows_per_micro_batch: rows concatenated into one THD micro-batch (Megatron's micro-batch size).
         pad_to_multiple_of: pad every document to a multiple of this (e.g. 2 x context-parallel size).
@@ -77,7 +78,7 @@ class PackedDataset:
             raise ValueError(f"long_docs={long_docs!r}; choose one of {LONG_DOCS}")
         docs = list(documents)
         if not docs:
-            raise ValueError("documents is empty: nothing to pack")
+            raise ValueError(_empty_message(documents))
         if long_docs == "split":
             docs = [piece for doc in docs for piece in split_document(doc, seq_len)]
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
@@ -250,3 +251,14 @@ def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _empty_message(documents: Iterable[Document]) -> str:
+    """Why ``documents`` gave nothing, naming the usual cause: a one-pass iterator already consumed."""
+    if iter(documents) is documents:
+        return (
+            f"documents is empty: the iterator ({type(documents).__name__}) yielded no documents. "
+            "read_documents(...) returns a one-pass iterator: if an earlier PackedDataset or list() "
+            "consumed it, call read_documents again, or keep docs = list(read_documents(...)) to reuse"
+        )
+    return "documents is empty: nothing to pack"

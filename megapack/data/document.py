@@ -16,10 +16,10 @@ default `ChatTemplate` (``<|role|>\\n`` headers, ``\\n`` + eos after every messa
     loss_mask   [0] * 13               [0] * 14 + [1, 1, 1, 1]     learned: "yo", "\\n", EOS
     boundaries  (13,)                                              the assistant message starts at 13
 
-Why not a Mapping: `PackedBatch.from_documents` reads dicts with ``tokens`` and ``loss_mask``; a
-Mapping would make ``len(doc)`` the number of keys (2), a silent trap for any packer that measures
-documents with ``len``. So ``len(doc)`` is the number of tokens and ``doc.as_dict()`` is the dict
-`from_documents` wants: ``PackedBatch.from_documents([d.as_dict() for d in docs], seq_len=...)``.
+Why not a Mapping: a Mapping would make ``len(doc)`` the number of keys (2), a silent trap for any
+packer that measures documents with ``len``. So ``len(doc)`` is the number of tokens;
+``PackedBatch.from_documents(docs, seq_len=...)`` takes Documents as they are (mask kept), and
+``doc.as_dict()`` gives the ``{"tokens", "loss_mask"}`` dict form.
 
 Cost: construction checks dtype, shape, ``tokens.min() >= 0`` and the boundaries (one O(n) pass;
 measured 10 us for 1,000 tokens) and makes read-only views, copying only to convert dtypes.

@@ -54,7 +54,10 @@ def read_documents(
         **options: passed to the chosen reader.
 
     Returns:
-        An iterator of Documents (for JSONL, the `JsonlReader`, whose ``.stats`` count skipped lines).
+        A one-pass iterator of Documents (for JSONL, the `JsonlReader`, whose ``.stats`` count skipped
+        lines): it reads the source once, as it is consumed. To use the documents twice (two
+        PackedDatasets, a count then a pack), call ``read_documents`` again or keep
+        ``list(read_documents(...))``.
 
     Raises:
         ValueError: an unknown suffix.

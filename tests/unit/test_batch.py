@@ -61,10 +61,28 @@ def test_document_loss_mask_marks_learned_tokens() -> None:
     assert b.loss_mask.tolist() == [[0, 1, 1, 0, 1, 0]]
 
 
+def test_from_documents_takes_data_documents_as_read_documents_yields_them() -> None:
+    from megapack.data import Document, read_documents
+
+    prompt = Document(tokens=[5, 6, 7, 8], loss_mask=[0, 0, 1, 1], source="a.jsonl:1")
+    b = PackedBatch.from_documents([prompt, [1, 2]])
+    assert b.labels.tolist() == [[6, 7, 8, 0, 2, 0]]
+    assert b.loss_mask.tolist() == [[0, 1, 1, 0, 1, 0]]  # the Document's mask is kept
+    docs = list(read_documents(np.array([5, 6, 7, 8, 9]), offsets=[0, 3, 5]))
+    b = PackedBatch.from_documents(docs, seq_len=8)
+    assert b.cu_seqlens.tolist() == [0, 3, 5, 8] and b.tokens.tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]
+
+
 @pytest.mark.parametrize(
     ("docs", "kwargs", "match"),
     [
         ([], {}, "docs is empty"),
+        (
+            [5, 6],
+            {},
+            r"docs\[0\] must be a non-empty 1-D token sequence .* got int 5 with token shape \(\)",
+        ),
+        (["hello"], {}, r"docs\[0\] is a str \('hello'\); expected token ids: tokenize text first"),
         ([[1, 2], []], {}, r"docs\[1\] must be a non-empty"),
         ([[1.5, 2.0]], {}, r"docs\[0\] tokens must be integers"),
         ([{"text": "x"}], {}, r"docs\[0\] is a dict without 'tokens'"),

@@ -144,7 +144,22 @@ def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
 
 
 def test_empty_corpus_and_missing_directory(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="documents is empty"):
+    with pytest.raises(ValueError, match="documents is empty: nothing to pack"):
         PackedDataset([], 64)
     with pytest.raises(FileNotFoundError, match=r"meta\.json not found"):
         PackedDataset.load(tmp_path)
+
+
+def test_a_spent_read_documents_iterator_is_named_as_the_cause(tmp_path: Path) -> None:
+    from megapack.data import read_documents
+
+    path = tmp_path / "sft.jsonl"
+    path.write_text('{"text": "hello"}\n{"text": "world"}\n')
+    docs = read_documents(path)
+    assert len(PackedDataset(docs, 64)) == 1
+    with pytest.raises(
+        ValueError, match=r"documents is empty: the iterator \(JsonlReader\) .*one-pass"
+    ):
+        PackedDataset(docs, 64)  # the same iterator, already consumed
+    reusable = list(read_documents(path))
+    assert len(PackedDataset(reusable, 64)) == len(PackedDataset(reusable, 64)) == 1
