@@ -335,7 +335,8 @@ def _document_arrays(
     """(tokens, target mask) of one document as numpy arrays."""
     mask: Any = None
     if isinstance(doc, data_document):
-        raw, mask = doc.tokens, doc.loss_mask
+        data_doc: Any = doc  # a megapack.data.Document (not imported here: data imports batch)
+        raw, mask = data_doc.tokens, data_doc.loss_mask
     elif isinstance(doc, Mapping):
         if "tokens" not in doc:
             raise ValueError(f"docs[{index}] is a dict without 'tokens' (keys {sorted(doc)})")
