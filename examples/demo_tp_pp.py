@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import megapack
+from megapack.quiet import quiet_megatron
 
 
 def sft_batches(mbs: int, seq_len: int, steps: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -82,8 +82,7 @@ def main() -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
-    with warnings.catch_warnings():  # megatron-core warns once per process that TE/apex are absent
-        warnings.simplefilter("ignore")
+    with quiet_megatron():  # megatron-core warns once per process that TE/apex are absent
         from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(

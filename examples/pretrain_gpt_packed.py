@@ -17,7 +17,6 @@ import argparse
 import functools
 import os
 import time
-import warnings
 from typing import Any
 
 import numpy as np
@@ -27,10 +26,8 @@ import torch.distributed as dist
 import megapack
 from megapack.megatron import packed_gpt_layer_spec
 from megapack.packing import plan
+from megapack.quiet import quiet_megatron
 from megapack.testing.gpt import packed_micro_batch, padded_micro_batch
-
-warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed")
-warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
 
 
 def parse_args() -> argparse.Namespace:
@@ -195,4 +192,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with quiet_megatron():  # megatron-core's known-harmless warnings (no apex/TE, CPU-only hints)
+        main()

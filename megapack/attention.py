@@ -386,7 +386,10 @@ def _has_module(name: str) -> bool:
 
 
 def _mpu_tp_size() -> int:
-    from megatron.core import parallel_state
+    from megapack.quiet import quiet_megatron
+
+    with quiet_megatron():
+        from megatron.core import parallel_state
 
     return (
         parallel_state.get_tensor_model_parallel_world_size()

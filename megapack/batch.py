@@ -292,9 +292,10 @@ def make_packed_seq_params(
     cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None, max_seqlen: int
 ) -> PackedSeqParams:
     """megatron-core ``PackedSeqParams`` in THD format with Python-int maxima."""
-    from megatron.core.packed_seq_params import (
-        PackedSeqParams,
-    )  # lazy: importing megatron takes ~5 s
+    from megapack.quiet import quiet_megatron
+
+    with quiet_megatron():  # lazy: importing megatron takes ~5 s
+        from megatron.core.packed_seq_params import PackedSeqParams
 
     return PackedSeqParams(
         qkv_format="thd",

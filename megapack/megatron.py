@@ -45,7 +45,10 @@ def packed_gpt_layer_spec(backend: str = "auto", **local_spec_kwargs: Any) -> An
         )
     if local_spec_kwargs.get("multi_latent_attention"):
         raise ValueError("packed_gpt_layer_spec does not support multi_latent_attention=True")
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megapack.quiet import quiet_megatron
+
+    with quiet_megatron():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = copy.deepcopy(get_gpt_layer_local_spec(**local_spec_kwargs))
     attention = spec.submodules.self_attention.submodules

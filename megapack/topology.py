@@ -209,7 +209,10 @@ class Topology:
             cp_layout: "document" or "row", how rows are split over context-parallel ranks
                 (used when ``context_parallel_size > 1``; `megapack.cp`).
         """
-        from megatron.core import parallel_state as ps  # lazy: importing megatron takes ~5 s
+        from megapack.quiet import quiet_megatron
+
+        with quiet_megatron():  # lazy: importing megatron takes ~5 s
+            from megatron.core import parallel_state as ps
 
         if not ps.model_parallel_is_initialized():
             raise RuntimeError(

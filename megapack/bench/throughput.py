@@ -84,6 +84,22 @@ def run_throughput(
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """On every rank of a tp x pp world: median real tokens/s per dataset and mode (rank 0's list)."""
+    from megapack.quiet import quiet_megatron
+
+    with quiet_megatron():  # megatron's known-harmless warnings, at import and while training
+        return _run_throughput(tp, pp, datasets, seq_len, rows, steps, warmup, seed)
+
+
+def _run_throughput(
+    tp: int,
+    pp: int,
+    datasets: dict[str, list[int]],
+    seq_len: int,
+    rows: int,
+    steps: int,
+    warmup: int,
+    seed: int,
+) -> list[dict[str, Any]]:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

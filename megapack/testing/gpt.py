@@ -52,11 +52,13 @@ class TinyGPT:
 
     def build(self, *, vp_stage: int | None = None) -> Any:
         """This rank's ``GPTModel`` chunk, on CPU, fp32, no dropout, untied embeddings."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.transformer import TransformerConfig
-
         from megapack.megatron import packed_gpt_layer_spec
+        from megapack.quiet import quiet_megatron
+
+        with quiet_megatron():
+            from megatron.core import parallel_state as ps
+            from megatron.core.models.gpt import GPTModel
+            from megatron.core.transformer import TransformerConfig
 
         config = TransformerConfig(
             num_layers=self.num_layers,

@@ -165,10 +165,13 @@ def megatron_on_cpu(*, force: bool = False) -> bool:
         return True
     if torch.cuda.is_available() and not force:
         return False
-    patches = [
-        (importlib.import_module(_MODULE_PREFIX + name), attr, new)
-        for name, attr, new in _patch_table()
-    ]
+    from megapack.quiet import quiet_megatron
+
+    with quiet_megatron():
+        patches = [
+            (importlib.import_module(_MODULE_PREFIX + name), attr, new)
+            for name, attr, new in _patch_table()
+        ]
     for module, attr, new in patches:  # all imports succeeded: now patch, recording originals
         _applied.append((module, attr, getattr(module, attr)))
         setattr(module, attr, new)

@@ -38,7 +38,6 @@ import signal
 import sys
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -135,8 +134,9 @@ def _worker_main(
     """Entry point of a worker: preload, connect to the store, then serve tasks until stopped."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     os.environ["OMP_NUM_THREADS"] = "1"
-    with warnings.catch_warnings():  # megatron warns about missing apex/TE once per process
-        warnings.simplefilter("ignore")
+    from megapack.quiet import quiet_megatron
+
+    with quiet_megatron():  # megatron warns about missing apex/TE once per process
         for name in preload:
             with contextlib.suppress(Exception):  # a missing optional module is not fatal
                 importlib.import_module(name)
