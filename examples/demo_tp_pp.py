@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -65,6 +66,22 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
+def launch_problem(tp: int, pp: int, env: Any) -> str | None:
+    """Why this launch cannot run the demo (not under torchrun, or a grid that does not fit), or None."""
+    how = (
+        f"run it with torchrun --nproc-per-node {max(tp, 1) * max(pp, 1)} examples/demo_tp_pp.py "
+        f"--tp {tp} --pp {pp} (or bash scripts/demo.sh)"
+    )
+    if tp < 1 or pp < 1:
+        return f"--tp and --pp must be >= 1, got --tp {tp} --pp {pp}"
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return f"not launched by torchrun (no RANK/WORLD_SIZE in the environment); {how}"
+    world = int(env["WORLD_SIZE"])
+    if world % (tp * pp):
+        return f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the {world} ranks torchrun started; {how}"
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -77,6 +94,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
+    problem = launch_problem(args.tp, args.pp, os.environ)
+    if problem:
+        if int(os.environ.get("RANK", 0)) == 0:  # one line, not one per rank
+            print(f"demo_tp_pp.py: error: {problem}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(1)  # let rank 0 print before torchrun stops the others
+        sys.exit(2)
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

@@ -1,22 +1,47 @@
 """megapack: packed-sequence (THD) batches for Megatron-style tp x pp training that never hang.
 
-Importing megapack is cheap: megatron-core (~5 s to import) is loaded only when a function needs it.
+Importing megapack is cheap: its names load on first use (PEP 562), so ``megapack --help`` never
+imports torch, and megatron-core (~5 s to import) is loaded only when a function needs it.
 """
 
-from megapack.align import align_by_kind
-from megapack.batch import PackedBatch
-from megapack.comm import long_operation
-from megapack.errors import (
-    CollectiveError,
-    DesyncError,
-    ProtocolError,
-    RemoteDataError,
-    RemoteRankError,
-)
-from megapack.sync import check_in_sync, lockstep
-from megapack.topology import Stage, Topology
-from megapack.transfer import get_batch_on_this_tp_rank
-from megapack.wire import FIELDS
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megapack.align import align_by_kind
+    from megapack.batch import PackedBatch
+    from megapack.comm import long_operation
+    from megapack.errors import (
+        CollectiveError,
+        DesyncError,
+        ProtocolError,
+        RemoteDataError,
+        RemoteRankError,
+    )
+    from megapack.sync import check_in_sync, lockstep
+    from megapack.topology import Stage, Topology
+    from megapack.transfer import get_batch_on_this_tp_rank
+    from megapack.wire import FIELDS
+
+_EXPORTS = {
+    "FIELDS": "megapack.wire",
+    "CollectiveError": "megapack.errors",
+    "DesyncError": "megapack.errors",
+    "PackedBatch": "megapack.batch",
+    "ProtocolError": "megapack.errors",
+    "RemoteDataError": "megapack.errors",
+    "RemoteRankError": "megapack.errors",
+    "Stage": "megapack.topology",
+    "Topology": "megapack.topology",
+    "align_by_kind": "megapack.align",
+    "check_in_sync": "megapack.sync",
+    "get_batch_on_this_tp_rank": "megapack.transfer",
+    "lockstep": "megapack.sync",
+    "long_operation": "megapack.comm",
+}
+"""Public name -> the module defining it, imported on first access."""
 
 __all__ = [
     "FIELDS",
@@ -35,3 +60,21 @@ __all__ = [
     "long_operation",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:  # a submodule, e.g. `import megapack; megapack.comm.collective_timeout()`
+        try:
+            return importlib.import_module(f"megapack.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"megapack.{name}":
+                raise
+            raise AttributeError(f"module 'megapack' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

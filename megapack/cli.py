@@ -6,6 +6,8 @@
 
 Inputs are anything `megapack.data.read_documents` reads (.jsonl/.json, megatron .bin/.idx, .npy/.npz).
 A bad JSONL line stops the command with its file and line, or is skipped and counted with --skip-bad.
+Errors in the input or the flags end the command with one line on stderr and exit code 2.
+`python -m megapack` is the same command. ``--help`` imports neither torch nor numpy (< 0.5 s).
 """
 
 from __future__ import annotations
@@ -14,11 +16,19 @@ import argparse
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 T = TypeVar("T")
+READER_FLAGS = {"skip_bad": "--skip-bad", "eos_id": "--eos-id"}
+"""Reader option -> the flag that sets it, to name the flag when an option does not fit the input."""
+
+
+def plural(count: int, word: str, words: str | None = None) -> str:
+    """``"1 row"``, ``"2,048 rows"``: the count with thousands separators and the right form."""
+    return f"{count:,} {word if count == 1 else (words or word + 's')}"
 
 
 def progress(
@@ -40,21 +50,36 @@ def progress(
     out.flush()
 
 
-def _tokenizer(path: str | None) -> Any:
+def _tokenizer(args: argparse.Namespace) -> Any:
     from megapack.data import ByteTokenizer, HFTokenizer
 
-    return HFTokenizer.from_file(path) if path else ByteTokenizer()
+    if args.tokenizer:
+        return HFTokenizer.from_file(args.tokenizer, eos_token=args.eos_token)
+    if args.eos_token:
+        raise ValueError(
+            f"--eos-token {args.eos_token!r} needs --tokenizer: the built-in byte tokenizer's "
+            "eos is fixed"
+        )
+    return ByteTokenizer()
 
 
 def _read(args: argparse.Namespace, tokenizer: Any = None) -> tuple[list[Any], str]:
     from megapack.data import read_documents
 
-    options = {"skip_bad": True} if args.skip_bad else {}
-    reader = read_documents(args.input, tokenizer or _tokenizer(args.tokenizer), **options)
+    options: dict[str, Any] = {"skip_bad": True} if args.skip_bad else {}
+    if args.eos_id is not None:
+        options["eos_id"] = args.eos_id
+    try:
+        reader = read_documents(args.input, tokenizer or _tokenizer(args), **options)
+    except TypeError as e:  # an option the input's reader does not take: name the flag
+        flag = next((f for name, f in READER_FLAGS.items() if f"option {name!r}" in str(e)), None)
+        if flag is None:
+            raise
+        raise ValueError(f"{flag} does not apply to {args.input} ({e})") from None
     docs = list(progress(reader, f"reading {args.input}"))
     stats = getattr(reader, "stats", None)
     note = (
-        f"{stats.skipped:,} bad lines skipped {dict(stats.skipped_by_problem)}"
+        f"{plural(stats.skipped, 'bad line')} skipped {dict(stats.skipped_by_problem)}"
         if stats and stats.skipped
         else ""
     )
@@ -64,26 +89,64 @@ def _read(args: argparse.Namespace, tokenizer: Any = None) -> tuple[list[Any], s
 def cmd_pack(args: argparse.Namespace) -> int:
     from megapack.data import PackedDataset
 
-    tokenizer = _tokenizer(args.tokenizer)
+    tokenizer = _tokenizer(args)
     docs, note = _read(args, tokenizer)
-    if note:
-        print(note, file=sys.stderr)
     start = time.perf_counter()
     dataset = PackedDataset(
         docs, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, algorithm=args.algorithm,
         long_docs=args.long_docs, seed=args.seed, pad_token_id=tokenizer.pad_id,
     )  # fmt: skip
     out = dataset.save(args.out)
-    m = dataset.meta
-    print(
-        f"packed {m['documents']:,} documents into {m['rows']:,} rows of {m['seq_len']:,} tokens "
-        f"({m['efficiency']:.2%} efficiency, lower bound {m['lower_bound']:,} rows, {args.algorithm}) "
-        f"in {time.perf_counter() - start:.1f} s -> {out}"
-    )
+    for line in pack_report(dataset.meta, args.input, note):
+        print(line)
+    print(f"{args.algorithm} in {time.perf_counter() - start:.1f} s -> {out}")
     return 0
 
 
+def pack_report(meta: dict[str, Any], source: str, skipped_note: str = "") -> list[str]:
+    """What `megapack pack` did: inputs, long documents split / truncated / dropped, rows.
+
+    Example:
+        >>> meta = {"input_documents": 300, "documents": 2213, "split_documents": 290, "seq_len": 64,
+        ...         "truncated_documents": 0, "truncated_tokens": 0, "dropped_documents": 0,
+        ...         "dropped_tokens": 0, "rows": 1, "efficiency": 0.93, "lower_bound": 1}
+        >>> print("\\n".join(pack_report(meta, "sft.jsonl")))
+        read 300 documents from sft.jsonl
+        290 documents longer than 64 tokens: split into pieces (2,213 pieces packed in all)
+        packed into 1 row of 64 tokens: 93.00% efficiency (lower bound 1 row)
+    """
+    m = meta
+    inputs = int(m.get("input_documents", m["documents"]))
+    lines = [
+        f"read {plural(inputs, 'document')} from {source}"
+        + (f"; {skipped_note}" if skipped_note else "")
+    ]
+    longer = f"longer than {plural(int(m['seq_len']), 'token')}"
+    if m.get("split_documents"):
+        lines.append(
+            f"{plural(int(m['split_documents']), 'document')} {longer}: split into pieces "
+            f"({plural(int(m['documents']), 'piece')} packed in all)"
+        )
+    if m.get("truncated_documents"):
+        lines.append(
+            f"{plural(int(m['truncated_documents']), 'document')} {longer}: truncated "
+            f"({plural(int(m['truncated_tokens']), 'token')} lost)"
+        )
+    if m.get("dropped_documents"):
+        lines.append(
+            f"{plural(int(m['dropped_documents']), 'document')} {longer}: dropped "
+            f"({plural(int(m['dropped_tokens']), 'token')} lost)"
+        )
+    lines.append(
+        f"packed into {plural(int(m['rows']), 'row')} of {int(m['seq_len']):,} tokens: "
+        f"{m['efficiency']:.2%} efficiency (lower bound {plural(int(m['lower_bound']), 'row')})"
+    )
+    return lines
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from megapack.packing import plan
 
     docs, note = _read(args)
@@ -91,7 +154,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if len(lengths) == 0:
         print(f"{args.input}: no documents", file=sys.stderr)
         return 1
-    print(f"{len(lengths):,} documents, {int(lengths.sum()):,} tokens; length min {lengths.min()}, "
+    print(f"{plural(len(lengths), 'document')}, {plural(int(lengths.sum()), 'token')}; length min {lengths.min()}, "
           f"median {int(np.median(lengths))}, mean {lengths.mean():.1f}, max {lengths.max()}" + (f"; {note}" if note else ""))  # fmt: skip
     print("\nlength histogram")
     edges = np.unique(np.geomspace(1, max(int(lengths.max()), 2), 12).astype(int))
@@ -108,18 +171,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(
             f"| {algorithm} | {result.num_bins:,} | {result.efficiency:.2%} | {time.perf_counter() - start:.2f} |"
         )
-    bound = results["bfd"].lower_bound
-    print(
-        f"| lower bound | {bound:,} | <= {lengths.clip(max=args.seq_len).sum() / (bound * args.seq_len):.2%} | |"
-    )
+    bound = results["bfd"].lower_bound  # of the split lengths: every token packed
+    print(f"| lower bound | {bound:,} | <= {lengths.sum() / (bound * args.seq_len):.2%} | |")
     long = lengths > args.seq_len
     print(
-        f"\n{int(long.sum()):,} documents longer than {args.seq_len:,} tokens ({int((lengths[long] - args.seq_len).sum()):,} tokens beyond)"
+        f"\n{plural(int(long.sum()), 'document')} longer than {plural(args.seq_len, 'token')} "
+        f"({plural(int((lengths[long] - args.seq_len).sum()), 'token')} beyond)"
     )
     for policy in ("split", "truncate", "drop"):
         r = plan(lengths, args.seq_len, algorithm="bfd", long_docs=policy)
         print(
-            f"  {policy:>8}: {r.truncated_tokens + r.dropped_tokens:,} tokens lost, {r.num_bins:,} rows"
+            f"  {policy:>8}: {plural(r.truncated_tokens + r.dropped_tokens, 'token')} lost, {plural(r.num_bins, 'row')}"
         )
     if args.plot:
         _plot(lengths, args.seq_len, args.plot)
@@ -149,39 +211,86 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Adds ``(default: X)`` to every optional flag's help that has a real default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        real = not any(action.default is v for v in (None, False, argparse.SUPPRESS))  # 0 is real
+        if real and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megapack", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    defaults = _DefaultsHelp
 
     def data_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("input", help="a .jsonl/.json, .bin/.idx (or prefix), .npy/.npz file")
         p.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
         p.add_argument(
-            "--tokenizer", help="a HF tokenizer.json (default: the built-in byte-level tokenizer)"
+            "--tokenizer",
+            help="a Hugging Face tokenizer.json (default: the built-in byte-level tokenizer)",
+        )
+        p.add_argument(
+            "--eos-token",
+            help="the --tokenizer's end-of-document token, e.g. '<|im_end|>' (default: from "
+            "tokenizer_config.json beside it, else a common name in its vocabulary)",
+        )
+        p.add_argument(
+            "--eos-id",
+            type=int,
+            help="for 1-D .npy/.npz token arrays: the token id that ends each document",
         )
         p.add_argument(
             "--skip-bad",
             action="store_true",
-            help="skip and count bad JSONL lines instead of stopping",
+            help="skip and count bad JSONL lines instead of stopping at the first",
         )
 
-    pack = sub.add_parser("pack", help="pack documents into a dataset PackedDataset.load reads")
+    pack = sub.add_parser(
+        "pack",
+        help="pack documents into a dataset PackedDataset.load reads",
+        description="Pack documents into rows of --seq-len tokens; write a directory that "
+        "megapack.data.PackedDataset.load(DIR, dp_rank=..., dp_size=...) memory-maps.",
+        formatter_class=defaults,
+    )
     data_args(pack)
     pack.add_argument("--out", required=True, help="output directory")
     pack.add_argument(
-        "--algorithm", default="bfd", choices=["bfd", "ffd", "first_fit", "next_fit", "best"]
+        "--algorithm",
+        default="bfd",
+        choices=["bfd", "ffd", "first_fit", "next_fit", "best"],
+        help="bin-packing algorithm: best-fit / first-fit decreasing, first-fit, next-fit "
+        "(streaming concat), or best (a search from bfd that never uses more rows)",
     )
     pack.add_argument(
-        "--long-docs", default="split", choices=["split", "truncate", "drop", "error"]
+        "--long-docs",
+        default="split",
+        choices=["split", "truncate", "drop", "error"],
+        help="documents longer than --seq-len: split them (chat at message boundaries), keep "
+        "their first --seq-len tokens, drop them, or stop with an error",
     )
-    pack.add_argument("--pad-to-multiple-of", type=int, default=1)
-    pack.add_argument("--seed", type=int, default=0)
+    pack.add_argument(
+        "--pad-to-multiple-of",
+        type=int,
+        default=1,
+        help="pad every document to a multiple of this (e.g. 2 x context-parallel size, or 8/16 "
+        "for FP8 kernels); --seq-len must be a multiple of it",
+    )
+    pack.add_argument(
+        "--seed", type=int, default=0, help="seeds the packer and the per-epoch row shuffle"
+    )
     pack.set_defaults(func=cmd_pack)
 
     stats = sub.add_parser(
-        "stats", help="length histogram, lower bound, every algorithm's efficiency"
+        "stats",
+        help="length histogram, lower bound, every algorithm's efficiency",
+        formatter_class=defaults,
     )
     data_args(stats)
     stats.add_argument("--plot", help="write a PNG histogram here")
@@ -193,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     from megapack.bench import add_arguments
 
     bench = sub.add_parser(
-        "bench", help="packed vs padded throughput, transfer cost, packing quality"
+        "bench",
+        help="packed vs padded throughput, transfer cost, packing quality",
+        formatter_class=defaults,
     )
     add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
@@ -201,13 +312,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return its exit code (2 for bad input or flags, with one line why)."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError, ImportError) as exc:  # the user's input, files or environment
         print(f"megapack {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # e.g. `megapack stats ... | head`: the reader left; not an error
+        sys.stderr.close()

@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -59,6 +57,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch.distributed as dist  # lazy: `megapack --help` must not import torch
+
     from megapack.bench import report
     from megapack.bench.datasets import load_lengths, throughput_datasets
 
@@ -134,6 +134,8 @@ class _Runner:
         self.pool: Any = None
 
     def run(self, fn: Any, world_size: int, *args: Any) -> list[dict[str, Any]]:
+        import torch.distributed as dist
+
         if self.launched:
             if dist.get_world_size() != world_size:
                 if dist.get_rank() == 0:

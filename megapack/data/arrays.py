@@ -132,7 +132,8 @@ def documents_from_array(
     raise ValueError(
         f"{source}: cannot tell where documents end in an array of shape {arr.shape} "
         f"(offsets {'given' if offsets is not None else 'not given'}, eos_id={eos_id!r}); give a "
-        "1-D array with offsets=[0, ..., len] or eos_id=..., or a 2-D array with one row per document"
+        "1-D array with offsets=[0, ..., len] or eos_id=... (megapack CLI: --eos-id), or a 2-D "
+        "array with one row per document"
     )
 
 

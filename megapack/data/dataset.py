@@ -79,7 +79,10 @@ class PackedDataset:
         docs = list(documents)
         if not docs:
             raise ValueError(_empty_message(documents))
+        input_documents = len(docs)
+        split_documents = 0
         if long_docs == "split":
+            split_documents = sum(len(doc) > seq_len for doc in docs)
             docs = [piece for doc in docs for piece in split_document(doc, seq_len)]
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
         aligned = -(-lengths // pad_to_multiple_of) * pad_to_multiple_of
@@ -106,7 +109,9 @@ class PackedDataset:
             "algorithm": algorithm, "long_docs": long_docs, "seed": seed, "documents": len(docs),
             "rows": packing.num_bins, "efficiency": packing.efficiency, "lower_bound": packing.lower_bound,
             "truncated_tokens": packing.truncated_tokens, "dropped_tokens": packing.dropped_tokens,
-            "pad_token_id": pad_token_id,
+            "pad_token_id": pad_token_id, "input_documents": input_documents,
+            "split_documents": split_documents, "truncated_documents": packing.num_truncated_docs,
+            "dropped_documents": packing.num_dropped_docs,
         }  # fmt: skip
         self._configure(rows_per_micro_batch, dp_rank, dp_size, pad_token_id)
 

@@ -159,7 +159,8 @@ class JsonlReader(Iterator[Document]):
         try:
             record = json.loads(text)
         except json.JSONDecodeError as e:
-            hint = f"{e.msg} at column {e.colno}; each line must be one complete JSON object"
+            reason = e.msg.removesuffix(" at")  # json's "Invalid control character at"
+            hint = f"{reason} at column {e.colno}; each line must be one complete JSON object"
             if number == 1 and text.lstrip().startswith("["):
                 hint += " (this looks like a JSON array: write one element per line instead)"
             raise BadLineError(where, "<line>", "invalid JSON", text.rstrip("\r\n"), hint) from e

@@ -159,7 +159,8 @@ class HFTokenizer:
         Raises:
             ImportError: ``tokenizers`` is not installed (``pip install tokenizers``).
             FileNotFoundError: no such file.
-            ValueError: a named token is not in the vocabulary, or no eos token was found.
+            ValueError: not a tokenizer.json, a named token is not in the vocabulary, or no eos
+                token was found.
 
         Example:
             >>> tok = HFTokenizer.from_file("tokenizer.json", eos_token="</s>")  # doctest: +SKIP
@@ -176,7 +177,13 @@ class HFTokenizer:
         file = Path(path)
         if not file.is_file():
             raise FileNotFoundError(f"{file}: no such tokenizer file (expected a tokenizer.json)")
-        backend = RustTokenizer.from_file(str(file))
+        try:
+            backend = RustTokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises a bare Exception for any unreadable file
+            raise ValueError(
+                f"{file}: not a Hugging Face tokenizer.json ({str(e).strip() or type(e).__name__}); "
+                "pass the tokenizer.json that tokenizer.save() or a model repository provides"
+            ) from e
         config = _read_config(file.parent / "tokenizer_config.json")
 
         def resolve(kind: str, given: str | None, candidates: Sequence[str]) -> int | None:
@@ -200,7 +207,8 @@ class HFTokenizer:
         if eos is None:
             raise ValueError(
                 f"{file}: found no eos token (tried {', '.join(EOS_CANDIDATES)}); pass "
-                f"eos_token=... naming one of the special tokens: {_specials(backend)}"
+                f"eos_token=... (megapack CLI: --eos-token) naming one of the special tokens: "
+                f"{_specials(backend)}"
             )
         pad = resolve("pad", pad_token, PAD_CANDIDATES)
         bos = resolve("bos", bos_token, BOS_CANDIDATES)

@@ -139,7 +139,8 @@ def make_items(lengths: np.ndarray, capacity: int, long_docs: str) -> Items:
         i = int(np.flatnonzero(long)[0])
         raise ValueError(
             f"document {i} has {int(lengths[i])} tokens, more than capacity={capacity} "
-            f"({n_long} document(s) are too long); use long_docs='split', 'truncate' or 'drop'"
+            f"({n_long} document(s) are too long); use long_docs='split', 'truncate' or 'drop' "
+            "(megapack pack: --long-docs split)"
         )
     if long_docs == "drop":
         keep = ~long

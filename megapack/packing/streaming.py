@@ -179,7 +179,7 @@ class StreamingPacker:
             if self.long_docs == "error":
                 raise ValueError(
                     f"document {index} of the stream has {length} tokens, more than capacity={c}; "
-                    "use long_docs='split', 'truncate' or 'drop'"
+                    "use long_docs='split', 'truncate' or 'drop' (megapack pack: --long-docs split)"
                 )
             if self.long_docs == "drop":
                 self.stats["dropped_docs"] += 1

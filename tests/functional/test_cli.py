@@ -43,7 +43,11 @@ def test_pack_round_trip_loses_nothing(tmp_path: Path, capsys: pytest.CaptureFix
     pieces = sum(
         -(-len(d) // 128) for d in read_documents(src)
     )  # long documents are split, none dropped
-    assert f"packed {pieces} documents into" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"read {len(LINES)} documents from {src}" in out
+    longer = sum(len(d) > 128 for d in read_documents(src))  # the text line of 150 and "x" * 300
+    assert longer == 2
+    assert f"2 documents longer than 128 tokens: split into pieces ({pieces} pieces packed" in out
     ds = PackedDataset.load(tmp_path / "packed")
     topo = Topology.single()
     data = iter(ds)
@@ -79,7 +83,7 @@ def test_bad_line_is_named_or_skipped(tmp_path: Path, capsys: pytest.CaptureFixt
         main(["pack", str(src), "--seq-len", "128", "--out", str(tmp_path / "p"), "--skip-bad"])
         == 0
     )
-    assert "1 bad lines skipped" in capsys.readouterr().err
+    assert f"read {len(LINES)} documents from {src}; 1 bad line skipped" in capsys.readouterr().out
 
 
 def test_stats_prints_every_algorithm_and_plots(tmp_path: Path) -> None:

@@ -40,7 +40,9 @@ def test_other_warnings_stay_visible() -> None:
     apex = "Apex is not installed. Falling back to Torch Norm"
     assert emitted(apex, "mylib.norms") == [apex]  # the same text from someone else's module
     assert emitted(apex, "megatron.core.x", DeprecationWarning) == [apex]  # another category
-    with warnings.catch_warnings(record=True) as caught:  # and after the block, filters are restored
+    with warnings.catch_warnings(
+        record=True
+    ) as caught:  # and after the block, filters are restored
         warnings.simplefilter("always")
         with quiet_megatron():
             pass

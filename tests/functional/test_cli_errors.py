@@ -1,0 +1,220 @@
+"""First-run rough edges of the `megapack` command, each pinned: help, counts, plurals, one-line errors.
+
+In-process calls of `megapack.cli.main` where possible (fast); subprocesses where the point is the
+process itself (what ``--help`` imports, ``python -m megapack``, the demo run without torchrun).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megapack.cli import main, plural
+
+ROOT = Path(__file__).resolve().parents[2]
+Capture = pytest.CaptureFixture[str]
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def jsonl(path: Path, texts: list[str]) -> str:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)
+
+
+def one_line_error(err: str, command: str) -> str:
+    """The single stderr line of a failed command (progress lines aside), with no traceback."""
+    lines = [line for line in err.splitlines() if line and not line.startswith("reading ")]
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith(f"megapack {command}: error: "), err
+    return lines[0]
+
+
+# -- help ------------------------------------------------------------------------------------------
+def test_help_imports_neither_torch_nor_numpy() -> None:
+    code = (
+        "import sys\n"
+        "from megapack.cli import main\n"
+        "for argv in (['--help'], ['pack', '--help'], ['stats', '--help'], ['bench', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, (argv, e.code)\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'megatron') if m in sys.modules))\n"
+    )
+    done = run("-c", code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
+def test_python_dash_m_megapack_is_the_cli() -> None:
+    done = run("-m", "megapack", "--help")
+    assert done.returncode == 0 and "usage: megapack" in done.stdout and "pack" in done.stdout
+    done = run("-m", "megapack", "pack")
+    assert done.returncode == 2 and "required" in done.stderr
+
+
+def test_pack_help_explains_every_option_with_its_default(capsys: Capture) -> None:
+    with pytest.raises(SystemExit):
+        main(["pack", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # unwrap argparse's line breaks
+    for flag, default in [
+        ("--algorithm", "bfd"),
+        ("--long-docs", "split"),
+        ("--pad-to-multiple-of", "1"),
+        ("--seed", "0"),
+    ]:
+        m = re.search(rf"{flag} \S+ (.*?)\(default: {default}\)", text)
+        assert m and len(m.group(1)) > 20, (flag, text)  # a real explanation before the default
+    assert "--eos-token" in text and "--eos-id" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+# -- counts and plurals ----------------------------------------------------------------------------
+def test_pack_reports_inputs_splits_truncations_and_drops(tmp_path: Path, capsys: Capture) -> None:
+    src = jsonl(tmp_path / "d.jsonl", ["a" * 10, "b" * 100, "c" * 20])  # +1 eos each: 11, 101, 21
+    out = str(tmp_path / "out")
+    assert main(["pack", src, "--seq-len", "32", "--out", out]) == 0
+    text = capsys.readouterr().out
+    assert f"read 3 documents from {src}\n" in text
+    assert "1 document longer than 32 tokens: split into pieces (6 pieces packed in all)" in text
+    assert main(["pack", src, "--seq-len", "32", "--out", out, "--long-docs", "truncate"]) == 0
+    text = capsys.readouterr().out
+    assert "1 document longer than 32 tokens: truncated (69 tokens lost)" in text
+    assert ": split into" not in text and ": dropped" not in text
+    assert main(["pack", src, "--seq-len", "32", "--out", out, "--long-docs", "drop"]) == 0
+    text = capsys.readouterr().out
+    assert "1 document longer than 32 tokens: dropped (101 tokens lost)" in text
+    assert "packed into 1 row of 32 tokens" in text and "(lower bound 1 row)" in text
+
+
+def test_singular_counts(tmp_path: Path, capsys: Capture) -> None:
+    assert [plural(1, "row"), plural(2, "row"), plural(0, "document"), plural(1234, "token")] == [
+        "1 row",
+        "2 rows",
+        "0 documents",
+        "1,234 tokens",
+    ]
+    src = jsonl(tmp_path / "one.jsonl", ["hello"])
+    assert main(["pack", src, "--seq-len", "64", "--out", str(tmp_path / "p")]) == 0
+    text = capsys.readouterr().out
+    assert "read 1 document from" in text and "packed into 1 row of 64 tokens" in text
+    assert main(["stats", src, "--seq-len", "64", "--time-limit", "0.1"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("1 document, 6 tokens;") and "0 documents longer" in text
+    assert re.search(r"\b1 (rows|documents|tokens)\b", text) is None, text
+
+
+def test_stats_lower_bound_counts_every_token_of_long_documents(
+    tmp_path: Path, capsys: Capture
+) -> None:
+    src = jsonl(tmp_path / "long.jsonl", ["x" * 300, "y" * 250, "z" * 10])
+    assert main(["stats", src, "--seq-len", "64", "--time-limit", "0.1"]) == 0
+    text = capsys.readouterr().out
+    bfd = float(re.search(r"\| bfd \| [\d,]+ \| ([\d.]+)%", text).group(1))  # type: ignore[union-attr]
+    bound = float(re.search(r"\| lower bound \| [\d,]+ \| <= ([\d.]+)%", text).group(1))  # type: ignore[union-attr]
+    assert bfd <= bound  # a bound below what bfd achieves would be no bound (once "<= 38.84%")
+
+
+# -- one-line errors naming the flag to use --------------------------------------------------------
+def test_a_file_that_is_not_a_tokenizer(tmp_path: Path, capsys: Capture) -> None:
+    src = jsonl(tmp_path / "d.jsonl", ["hello"])
+    bogus = tmp_path / "tokenizer.json"
+    bogus.write_text('{"a": 1}')
+    assert main(["pack", src, "--seq-len", "64", "--out", str(tmp_path / "p"), "--tokenizer", str(bogus)]) == 2  # fmt: skip
+    line = one_line_error(capsys.readouterr().err, "pack")
+    assert f"{bogus}: not a Hugging Face tokenizer.json" in line
+
+
+def test_missing_eos_names_the_eos_token_flag(tmp_path: Path, capsys: Capture) -> None:
+    tokenizers = pytest.importorskip("tokenizers")  # in the test extra: never skipped in CI
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "<end>": 3}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<end>"])
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    src = jsonl(tmp_path / "d.jsonl", ["hello world"])
+    args = ["pack", src, "--seq-len", "8", "--out", str(tmp_path / "p"), "--tokenizer", str(path)]
+    assert main(args) == 2
+    line = one_line_error(capsys.readouterr().err, "pack")
+    assert "found no eos token" in line and "--eos-token" in line and "<end>" in line
+    assert main([*args, "--eos-token", "<end>"]) == 0
+    assert "read 1 document" in capsys.readouterr().out
+    assert main(["pack", src, "--seq-len", "8", "--out", str(tmp_path / "q"), "--eos-token", "x"]) == 2  # fmt: skip
+    assert "--eos-token 'x' needs --tokenizer" in one_line_error(capsys.readouterr().err, "pack")
+
+
+def test_long_document_error_names_the_cli_flag(tmp_path: Path, capsys: Capture) -> None:
+    src = jsonl(tmp_path / "d.jsonl", ["x" * 100])
+    assert main(["pack", src, "--seq-len", "32", "--out", str(tmp_path / "p"), "--long-docs", "error"]) == 2  # fmt: skip
+    line = one_line_error(capsys.readouterr().err, "pack")
+    assert "document 0 has 101 tokens, more than capacity=32" in line
+    assert "--long-docs split" in line
+
+
+def test_invalid_json_hint_reads_well(tmp_path: Path, capsys: Capture) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": "tab\there"}\n')
+    assert main(["stats", str(bad), "--seq-len", "64"]) == 2
+    line = one_line_error(capsys.readouterr().err, "stats")
+    assert f"{bad}:2" in line and "Invalid control character at column 14" in line
+    assert "at at" not in line
+
+
+def test_numpy_inputs_skip_bad_and_eos_id(tmp_path: Path, capsys: Capture) -> None:
+    path = tmp_path / "t.npy"
+    np.save(path, np.array([5, 6, 0, 7, 8, 9, 0]))
+    out = str(tmp_path / "p")
+    assert main(["pack", str(path), "--seq-len", "8", "--out", out, "--skip-bad"]) == 2
+    line = one_line_error(capsys.readouterr().err, "pack")
+    assert line.startswith(f"megapack pack: error: --skip-bad does not apply to {path}")
+    assert main(["pack", str(path), "--seq-len", "8", "--out", out]) == 2
+    assert "--eos-id" in one_line_error(capsys.readouterr().err, "pack")
+    assert main(["pack", str(path), "--seq-len", "8", "--out", out, "--eos-id", "0"]) == 0
+    assert "read 2 documents" in capsys.readouterr().out
+    jsonl_src = jsonl(tmp_path / "d.jsonl", ["hi"])
+    assert main(["pack", jsonl_src, "--seq-len", "8", "--out", out, "--eos-id", "0"]) == 2
+    assert "--eos-id does not apply to" in one_line_error(capsys.readouterr().err, "pack")
+
+
+# -- the demo ----------------------------------------------------------------------------------------
+def test_demo_without_torchrun_says_how_to_run_it() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run(
+        [sys.executable, "examples/demo_tp_pp.py", "--tp", "2", "--pp", "2"],
+        cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "demo_tp_pp.py: error: not launched by torchrun (no RANK/WORLD_SIZE in the environment); "
+        "run it with torchrun --nproc-per-node 4 examples/demo_tp_pp.py --tp 2 --pp 2 "
+        "(or bash scripts/demo.sh)"
+    ]
+
+
+def test_demo_with_a_grid_that_does_not_fit() -> None:
+    done = run(
+        "-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/demo_tp_pp.py",
+        "--tp", "3", "--pp", "1", timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0
+    ours = [line for line in done.stderr.splitlines() if line.startswith("demo_tp_pp.py: error")]
+    assert ours == [
+        "demo_tp_pp.py: error: --tp 3 x --pp 1 = 3 does not divide the 2 ranks torchrun started; "
+        "run it with torchrun --nproc-per-node 3 examples/demo_tp_pp.py --tp 3 --pp 1 "
+        "(or bash scripts/demo.sh)"
+    ]
+    assert "initialize_model_parallel" not in done.stderr  # stopped before megatron was reached
