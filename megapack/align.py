@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
+from megapack.checks import check_int
+
 T = TypeVar("T")
 
 
@@ -40,8 +42,7 @@ def align_by_kind(
         kind gets fewer than ``num_ranks`` padding micro-batches; a single-kind input keeps its
         order (read round by round, rank by rank).
     """
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
-        raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+    check_int("num_ranks", num_ranks, minimum=1)
     by_kind: dict[Hashable, list[tuple[int, T]]] = {}
     for index, mb in enumerate(micro_batches):
         by_kind.setdefault(kind(mb), []).append((index, mb))

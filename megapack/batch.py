@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from megapack.checks import check_int
+
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -170,12 +172,9 @@ class PackedBatch:
             >>> b.cu_seqlens.tolist(), b.position_ids.tolist()
             ([0, 3, 5, 9], [[0, 1, 2, 0, 1, 0, 1, 2, 3]])
         """
-        if (
-            isinstance(pad_to_multiple_of, bool)
-            or not isinstance(pad_to_multiple_of, int)
-            or pad_to_multiple_of < 1
-        ):
-            raise ValueError(f"pad_to_multiple_of must be an int >= 1, got {pad_to_multiple_of!r}")
+        pad_to_multiple_of = check_int("pad_to_multiple_of", pad_to_multiple_of, minimum=1)
+        if seq_len is not None:
+            seq_len = check_int("seq_len", seq_len, minimum=1)
         if len(docs) == 0:
             raise ValueError("docs is empty: a PackedBatch needs at least one document")
         from megapack.data.document import Document as DataDocument  # lazy: data imports batch
@@ -186,10 +185,6 @@ class PackedBatch:
         lengths = np.array([len(t) for t in toks], dtype=np.int64)
         padded = -(-lengths // pad_to_multiple_of) * pad_to_multiple_of
         total = int(padded.sum())
-        if seq_len is not None and (
-            isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1
-        ):
-            raise ValueError(f"seq_len must be a positive int or None, got {seq_len!r}")
         if seq_len is not None and total > seq_len:
             raise ValueError(
                 f"{len(docs)} documents need {total} tokens (after padding to multiples of "

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megapack.checks import check_seconds
 from megapack.errors import CollectiveError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -201,6 +202,4 @@ def _backends(pg: Any) -> list[Any]:
 
 
 def _positive(value: float, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
+    return check_seconds(name, value)

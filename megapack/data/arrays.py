@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from megapack.checks import check_int
 from megapack.data.document import Document
 
 
@@ -92,8 +93,7 @@ def documents_from_eos(tokens: Any, eos_id: int, *, source: str = "array") -> It
         [[5, 7], [7], [8]]
     """
     toks = _token_array(tokens, f"{source}: tokens")
-    if isinstance(eos_id, bool) or not isinstance(eos_id, int | np.integer) or eos_id < 0:
-        raise ValueError(f"{source}: eos_id must be an int >= 0, got {eos_id!r}")
+    check_int(f"{source}: eos_id", eos_id, minimum=0)
     ends = np.flatnonzero(toks == eos_id) + 1
     cu = np.unique(np.concatenate([[0], ends, [len(toks)]]))
     return _slices(toks, np.ones(len(toks), dtype=np.float32), cu.tolist(), source)

@@ -26,6 +26,7 @@ import numpy as np
 import torch.distributed as dist
 
 from megapack.batch import PackedBatch
+from megapack.checks import check_int
 from megapack.data.document import Document
 from megapack.data.split import split_document
 
@@ -254,8 +255,7 @@ class PackedDataset:
 
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int(name, value, minimum=1)
 
 
 def _empty_message(documents: Iterable[Document]) -> str:

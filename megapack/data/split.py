@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 
+from megapack.checks import check_int
 from megapack.data.document import Document
 
 
@@ -50,8 +51,7 @@ def split_document(doc: Document, max_len: int) -> list[Document]:
         >>> [(len(p), p.boundaries, p.source) for p in split_document(doc, 5)]
         [(3, (), 'chat.jsonl:4#part1'), (4, (), 'chat.jsonl:4#part2'), (3, (), 'chat.jsonl:4#part3')]
     """
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-        raise ValueError(f"split_document: max_len must be an int >= 1, got {max_len!r}")
+    check_int("split_document: max_len", max_len, minimum=1)
     n = len(doc)
     if n <= max_len:
         return [doc]

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from megapack.checks import check_int
 from megapack.packing.bfd import best_fit_decreasing
 from megapack.packing.bounds import lower_bound
 from megapack.packing.fit import first_fit, first_fit_decreasing, next_fit
@@ -152,8 +153,4 @@ def _to_plan(
 
 
 def _check_int(name: str, value: object, *, minimum: int | None) -> None:
-    """Raise TypeError unless ``value`` is an int (not a bool), ValueError if below ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    check_int(name, value, minimum=minimum)

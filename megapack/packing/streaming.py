@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from megapack.checks import check_int
 from megapack.packing.items import LONG_DOC_POLICIES
 from megapack.packing.plan import ALGORITHMS, plan
 
@@ -99,8 +100,7 @@ class StreamingPacker:
         }
         for name, low in limits.items():
             value = given[name]
-            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+            check_int(name, value, minimum=low)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         if long_docs not in LONG_DOC_POLICIES:

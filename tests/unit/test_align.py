@@ -65,7 +65,15 @@ def test_padding_keeps_the_example_inputs() -> None:
     assert ranks[1][0] == {"kind": "image", "pixel_values": [1, 2], "loss_mask": [0]}
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
-def test_num_ranks_must_be_positive_int(bad: object) -> None:
-    with pytest.raises(ValueError, match="num_ranks must be a positive int"):
+@pytest.mark.parametrize(
+    ("bad", "error", "got"),
+    [
+        (0, ValueError, "0"),
+        (-1, ValueError, "-1"),
+        (1.5, TypeError, "float 1.5"),
+        (True, TypeError, "bool True"),
+    ],
+)
+def test_num_ranks_must_be_positive_int(bad: object, error: type, got: str) -> None:
+    with pytest.raises(error, match=f"num_ranks must be an int >= 1, got {got}$"):
         align_by_kind([], bad, kind=kind_of, make_padding=pad)  # type: ignore[arg-type]

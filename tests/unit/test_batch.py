@@ -94,7 +94,8 @@ def test_from_documents_takes_data_documents_as_read_documents_yields_them() -> 
         ([[1, 2, 3], [4, 5]], {"seq_len": 4}, "need 5 tokens .* seq_len=4"),
         ([[1, 2, 3]], {"pad_to_multiple_of": 4, "seq_len": 3}, "need 4 tokens"),
         ([[1, 2, 3]], {"pad_to_multiple_of": 0}, "pad_to_multiple_of must be an int >= 1, got 0"),
-        ([[1, 2, 3]], {"seq_len": 0}, "seq_len must be a positive int"),
+        ([[1, 2, 3]], {"seq_len": 0}, "seq_len must be an int >= 1, got 0"),
+        ([[1, 2, 3]], {"seq_len": 8.0}, "seq_len must be an int >= 1, got float 8.0"),
     ],
 )
 def test_from_documents_rejects_bad_input(docs: list, kwargs: dict, match: str) -> None:

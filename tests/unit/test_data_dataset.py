@@ -133,8 +133,11 @@ def test_other_long_document_policies(policy: str) -> None:
         ),
         ({"seq_len": 64, "dp_rank": 3, "dp_size": 3}, "dp_rank=3 is outside dp_size=3"),
         ({"seq_len": 64, "long_docs": "wrap"}, "long_docs='wrap'"),
-        ({"seq_len": 0}, "seq_len must be a positive int"),
-        ({"seq_len": 64, "rows_per_micro_batch": 0}, "rows_per_micro_batch must be a positive int"),
+        ({"seq_len": 0}, "seq_len must be an int >= 1, got 0"),
+        (
+            {"seq_len": 64, "rows_per_micro_batch": 0},
+            "rows_per_micro_batch must be an int >= 1, got 0",
+        ),
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:

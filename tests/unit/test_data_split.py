@@ -48,7 +48,11 @@ def test_a_document_that_fits_is_returned_unchanged() -> None:
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, None])
 def test_max_len_must_be_a_positive_int(bad: object) -> None:
-    with pytest.raises(ValueError, match=f"max_len must be an int >= 1, got {bad!r}"):
+    wrong_type = not isinstance(bad, int) or isinstance(bad, bool)
+    got = f"{type(bad).__name__} {bad!r}" if wrong_type else repr(bad)
+    with pytest.raises(
+        TypeError if wrong_type else ValueError, match=f"max_len must be an int >= 1, got {got}$"
+    ):
         split_document(doc_of(4), bad)  # type: ignore[arg-type]
 
 
