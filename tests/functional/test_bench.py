@@ -44,8 +44,13 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
     }
     for r in data["throughput"]:
         assert r["tokens_per_s"] > 0 and 0 < r["efficiency"] <= 1
-        if r["mode"] == "padded_fixed":  # one document per row never needs fewer rows than packing
-            assert r["theoretical_speedup"] >= 1.0
+        if r["mode"] != "packed":  # quick sizes where packing never needs more slots than padding
+            assert r["theoretical_speedup"] >= 1.0, r
+    assert "--quick: every size is small" in done.stdout and "Note:" not in done.stdout
+    for header in ("| tp | seq_len | megapack | per-tensor | bare |", "| dataset | mode | real tokens/s |",
+                   "| dataset | algorithm | rows | efficiency | seconds | target |"):  # fmt: skip
+        assert header in done.stdout  # the README's tables
+    assert done.stdout.count("met") >= 4  # a verdict for every target
     algorithms = {r["algorithm"] for r in data["packing"] if r["dataset"] == "openchat"}
     assert algorithms == {
         "next_fit",
@@ -59,3 +64,15 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
     assert best["best"] <= best["bfd"]
     for name in ("throughput.png", "transfer.png", "packing.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_quick_run_never_overwrites_a_full_run(tmp_path: Path) -> None:
+    full = tmp_path / "bench.json"
+    full.write_text(json.dumps({"settings": {"quick": False}, "throughput": []}))
+    cmd = [sys.executable, "-m", "megapack", "bench", "--quick", "--json", str(full)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "holds a full run's results; --quick would overwrite them" in done.stderr
+    assert json.loads(full.read_text())["settings"] == {"quick": False}  # untouched
+    script = (Path(__file__).resolve().parents[2] / "scripts" / "bench.sh").read_text()
+    assert "out=bench-out/quick" in script

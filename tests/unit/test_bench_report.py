@@ -1,0 +1,76 @@
+"""The bench prints the README's tables, with a met / not met verdict for every target."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megapack.bench.report import markdown, verdict
+
+SETTINGS = {"quick": False, "best_time_limit_s": 10.0}
+
+
+def results(**sections: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"settings": SETTINGS, "transfer": [], "throughput": [], "packing": [], **sections}
+
+
+def test_verdicts() -> None:
+    assert verdict(1.19, 1.2, at_most=True) == "1.19, met"
+    assert verdict(2.34, 1.2, at_most=True) == "2.34, not met"
+    assert verdict(0.9, 0.9, at_most=False) == "0.90, met"
+    assert verdict(0.89, 0.9, at_most=False) == "0.89, not met"
+
+
+def test_transfer_table_is_the_readme_table() -> None:
+    row = {"tp": 2, "seq_len": 4096, "megapack_ms": 0.507, "per_tensor_ms": 1.403, "bare_ms": 0.217}
+    assert markdown(results(transfer=[row])) == (
+        "## Transfer: one micro-batch to every TP rank (median ms, slowest rank)\n\n"
+        "| tp | seq_len | megapack | per-tensor | bare | megapack / bare (target <= 1.2) "
+        "| megapack / per-tensor (target <= 0.3) |\n"
+        "| --- | --- | --- | --- | --- | --- | --- |\n"
+        "| 2 | 4,096 | 0.507 | 1.403 | 0.217 | 2.34, not met | 0.36, not met |\n"
+    )
+
+
+def test_throughput_table_and_the_note_when_padding_needs_fewer_slots() -> None:
+    rows = [
+        {"dataset": "openchat", "mode": "packed", "tokens_per_s": 16137.2, "efficiency": 0.870,
+         "theoretical_speedup": 1.0, "measured_speedup": 1.0, "documents": 64},
+        {"dataset": "openchat", "mode": "padded_fixed", "tokens_per_s": 13597, "efficiency": 0.761,
+         "theoretical_speedup": 1.14, "measured_speedup": 1.19, "documents": 64},
+        {"dataset": "sft-short", "mode": "padded_longest", "tokens_per_s": 9297, "efficiency": 0.451,
+         "theoretical_speedup": 0.72, "measured_speedup": 0.60, "documents": 24},
+    ]  # fmt: skip
+    text = markdown(results(throughput=rows))
+    assert "| openchat | packed | 16,137 | 87.0% |  |  |  |" in text
+    assert "| openchat | padded_fixed | 13,597 | 76.1% | 1.14 | 1.19 | 1.04, met |" in text
+    assert "| sft-short | padded_longest | 9,297 | 45.1% | 0.72 | 0.60 | 0.83, not met |" in text
+    assert "Note: sft-short padded_longest: packing needs more token slots than padding" in text
+    assert "filler rows" in text and text.count("Note:") == 1
+
+
+def test_packing_table_targets() -> None:
+    rows = [
+        {"dataset": "openchat", "algorithm": "bfd", "rows": 4673, "efficiency": 0.99494, "seconds": 0.012},
+        {"dataset": "openchat", "algorithm": "best", "rows": 4666, "efficiency": 0.99642, "seconds": 6.0},
+        {"dataset": "openchat", "algorithm": "streaming bfd, buffer 1,000", "rows": 4674,
+         "efficiency": 0.98, "seconds": 0.11},
+        {"dataset": "lognormal-1,000,000", "algorithm": "bfd", "capacity": 4096, "rows": 157517,
+         "lower_bound": 157510, "efficiency": 0.99995, "seconds": 2.5, "peak_mib": 92.4},
+    ]  # fmt: skip
+    text = markdown(results(packing=rows))
+    assert "| openchat | bfd | 4,673 | 99.49% | 0.01 |  |" in text
+    assert "| openchat | best | 4,666 | 99.64% | 6.00 | >= 99.62% within 10 s: met |" in text
+    assert (
+        "| openchat | streaming bfd, buffer 1,000 | 4,674 | 98.00% | 0.11 | >= 99%: not met |"
+        in text
+    )
+    assert (
+        "| lognormal 1,000,000 (capacity 4,096) | bfd | 157,517 (bound 157,510) | 99.995% | "
+        "2.50, 92 MiB peak | < 2 s (2 s per 1M lengths), O(n): not met |"
+    ) in text
+
+
+def test_quick_runs_say_their_verdicts_are_indicative() -> None:
+    quick = {**results(), "settings": {**SETTINGS, "quick": True}}
+    assert markdown(quick).startswith("--quick: every size is small")
+    assert "--quick" not in markdown(results())
