@@ -153,16 +153,17 @@ def test_balance_micro_batch_order_on_a_rank() -> None:
     assert costs[order].tolist() == [1.0, 5.0, 4.0, 3.0, 2.0]
 
 
-def test_balance_stratify_takes_one_row_of_every_band() -> None:
-    costs = np.array([5.0, 1, 4, 2, 9, 0.5])
-    out = stratify(np.arange(6), costs, 2, np.random.default_rng(0))
-    bands = [{4, 0, 2}, {3, 1, 5}]  # costs sorted: 9 5 4 | 2 1 0.5
-    for batch in out.reshape(3, 2):
-        assert [int(batch[0]) in bands[0], int(batch[1]) in bands[1]] == [True, True]
-    # a partial last batch without fillers stays short; with fillers they stay in it
-    assert sorted(stratify(np.arange(5), costs[:5], 2, np.random.default_rng(0))) == list(range(5))
+def test_balance_stratify_builds_layers_of_similar_rows() -> None:
+    costs = np.array([5.0, 1, 4, 2, 9, 3, 7])
+    out = stratify(np.arange(7), costs, 2, np.random.default_rng(0))
+    layers = {frozenset(layer) for layer in out[:6].reshape(3, 2).tolist()}
+    assert layers == {frozenset({4, 6}), frozenset({0, 2}), frozenset({5, 3})}  # 9 7 | 5 4 | 3 2
+    assert out[6] == 1  # the short last layer: the cheapest row
     padded = stratify(np.array([0, 1, 2, -1]), costs[:3], 2, np.random.default_rng(0))
-    assert padded[:2].min() >= 0 and (padded[2:] == -1).sum() == 1
+    assert sorted(padded[:3]) == [0, 1, 2] and padded[3] == -1
+    # seeded: the same layers in an order that depends on the generator only
+    again = stratify(np.arange(7), costs, 2, np.random.default_rng(0))
+    assert again.tolist() == out.tolist()
 
 
 def test_balance_compute_order_improves_a_long_tail() -> None:
@@ -193,3 +194,18 @@ def test_balance_bad_arguments_are_named(kwargs: dict, error: type, words: str) 
 def test_balance_docstrings() -> None:
     for name in ("megapack.packing.balance", "megapack.packing.pack_plan"):
         assert doctest.testmod(importlib.import_module(name)).failed == 0
+
+
+def test_balance_compare_plans_reports_both() -> None:
+    from megapack.packing.compare import compare_plans
+
+    lengths = np.random.default_rng(2).lognormal(4, 1.2, 2000).astype(int) + 1
+    r = compare_plans(lengths, 512, dp_size=4, micro_batches=2, cost=SQUARES)
+    assert r["imbalance_compute_plan"] <= r["imbalance_token_plan"]
+    assert r["imbalance_compute_plan"] < 1.01 < r["imbalance_token_plan"]
+    rows = plan(lengths, 512)
+    assert r["rows"] == rows.num_bins and r["global_batches"] == rows.num_bins // 8
+    padded = -(-rows.num_bins // 8) * 8
+    assert r["efficiency_token_plan"] == r["efficiency_compute_plan"]
+    assert r["efficiency_token_plan"] == pytest.approx(rows.packed_tokens / (padded * 512))
+    assert doctest.testmod(importlib.import_module("megapack.packing.compare")).failed == 0
