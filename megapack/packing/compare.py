@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from megapack.packing.balance import imbalance, order_rows
+from megapack.packing.balance import check_balance, imbalance, order_rows
 from megapack.packing.cost import CostModel
 from megapack.packing.plan import plan
 
@@ -52,6 +52,10 @@ def compare_plans(
         imbalance averages), ``compute_plan_seconds`` (time to balance one epoch), and the
         settings (``dp_size``, ``micro_batches``, ``rows_per_micro_batch``, ``cost_a``, ``cost_b``).
     """
+    check_balance(
+        "compute", dp_size=dp_size, micro_batches=micro_batches,
+        rows_per_micro_batch=rows_per_micro_batch, cost=cost,
+    )  # fmt: skip
     packed = plan(lengths, seq_len, algorithm=algorithm, seed=seed)
     costs = cost.bin_costs(packed.slices, packed.bin_offsets)
     layout: dict[str, int] = {"dp_size": dp_size, "micro_batches": micro_batches}
