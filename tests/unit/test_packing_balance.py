@@ -20,9 +20,10 @@ from megapack.packing.balance import (
     imbalance,
     order_rows,
     partition,
+    pipeline_order,
     rank_costs,
-    stratify,
 )
+from megapack.packing.layers import deal_layers, stratify
 
 SQUARES = CostModel(a=0, b=1)
 
@@ -166,6 +167,36 @@ def test_balance_stratify_builds_layers_of_similar_rows() -> None:
     assert again.tolist() == out.tolist()
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    costs=st.lists(st.floats(0, 100), min_size=1, max_size=60),
+    dp=st.integers(1, 5),
+    m=st.integers(1, 4),
+)
+def test_balance_deal_layers_matches_the_per_batch_deal(
+    costs: list[float], dp: int, m: int
+) -> None:
+    values = np.array(costs)
+    layered = stratify(np.arange(len(values)), values, dp, np.random.default_rng(0))
+    fast = deal_layers(layered, values, dp_size=dp, micro_batches=m)
+    slow = balance_order(layered, values, dp_size=dp, micro_batches=m)
+    assert sorted(fast.tolist()) == list(range(len(values)))
+    per_batch = dp * m
+    for lo in range(0, len(values), per_batch):  # the same rows in every global batch
+        assert sorted(fast[lo : lo + per_batch]) == sorted(layered[lo : lo + per_batch])
+    layout = {"dp_size": dp, "micro_batches": m}
+    fast_max = rank_costs(fast, values, **layout).max(axis=1)
+    slow_max = rank_costs(slow, values, **layout).max(axis=1)
+    # the layer deal (then swaps) is as good as LPT + swaps within 4/3 and usually equal
+    assert (fast_max <= slow_max * 4 / 3 + 1e-9).all()
+    # every rank's micro-batches in pipeline order
+    steps = values[fast[: len(values) // per_batch * per_batch]].reshape(-1, m, dp)
+    for step in steps:
+        for r in range(dp):
+            mine = step[:, r]
+            assert mine.tolist() == mine[pipeline_order(mine)].tolist()
+
+
 def test_balance_compute_order_improves_a_long_tail() -> None:
     lengths = np.random.default_rng(1).lognormal(4, 1.2, 3000).astype(int) + 1
     rows = plan(lengths, 512)
@@ -192,7 +223,11 @@ def test_balance_bad_arguments_are_named(kwargs: dict, error: type, words: str) 
 
 
 def test_balance_docstrings() -> None:
-    for name in ("megapack.packing.balance", "megapack.packing.pack_plan"):
+    for name in (
+        "megapack.packing.balance",
+        "megapack.packing.layers",
+        "megapack.packing.pack_plan",
+    ):
         assert doctest.testmod(importlib.import_module(name)).failed == 0
 
 
