@@ -21,10 +21,13 @@ def triples(bins: object) -> list[tuple[tuple[int, int, int], ...]]:
     return [tuple((p.position, p.start, p.stop) for p in b) for b in bins]  # type: ignore[attr-defined]
 
 
+WINDOW = 2
+
+
 def make(dp: int, m: int, r: int, balance: str = "compute") -> StreamingPacker:
     return StreamingPacker(
         32, buffer_size=16, balance=balance, dp_size=dp, micro_batches=m,
-        rows_per_micro_batch=r, cost=SQUARES,
+        rows_per_micro_batch=r, cost=SQUARES, balance_window=WINDOW,
     )  # fmt: skip
 
 
@@ -42,8 +45,8 @@ def test_balance_streaming_same_bins_better_balance_resumable(
     token = triples(make(dp, m, r, "token").pack(lengths))
     compute = triples(make(dp, m, r).pack(lengths))
     assert Counter(compute) == Counter(token)
-    group = dp * m * r
-    for lo in range(0, len(token), group):  # re-dealt within each global batch only
+    group = dp * m * r * WINDOW
+    for lo in range(0, len(token), group):  # re-formed within each window only
         assert Counter(compute[lo : lo + group]) == Counter(token[lo : lo + group])
     costs = {b: SQUARES.row_cost([c - a for _, a, c in b]) for b in token}
     layout = {"dp_size": dp, "micro_batches": m, "rows_per_micro_batch": r}
@@ -71,3 +74,26 @@ def test_balance_streaming_bad_arguments() -> None:
         StreamingPacker(32, balance="compute")
     with pytest.raises(ValueError, match="balance must be one of"):
         StreamingPacker(32, balance="flops")
+    with pytest.raises(ValueError, match="balance_window must be an int >= 1"):
+        StreamingPacker(32, balance_window=0)
+
+
+def test_balance_streaming_openchat_window() -> None:
+    import json
+    from pathlib import Path
+
+    path = (
+        Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "openchat_v1_lengths.json"
+    )
+    if not path.is_file():
+        pytest.skip("needs ../shared/data/openchat_v1_lengths.json")
+    lengths = json.loads(path.read_text())
+    cost = CostModel(a=0, b=1)
+    layout = {"dp_size": 8, "micro_batches": 4}
+    result = {}
+    for mode in ("token", "compute"):
+        packer = StreamingPacker(2048, balance=mode, **layout, cost=cost)
+        bins = list(packer.pack(lengths))
+        costs = np.array([cost.row_cost([p.stop - p.start for p in b]) for b in bins])
+        result[mode] = imbalance(np.arange(len(bins)), costs, **layout)
+    assert result["compute"] < 1.01 < result["token"], result
