@@ -26,6 +26,7 @@ uninitialized.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -284,22 +285,44 @@ class PackedBatch:
 
 
 def make_packed_seq_params(
-    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None, max_seqlen: int
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    max_seqlen: int,
+    *,
+    cp_group: Any = None,
+    local_cp_size: int | None = None,
 ) -> PackedSeqParams:
-    """megatron-core ``PackedSeqParams`` in THD format with Python-int maxima."""
+    """megatron-core ``PackedSeqParams`` in THD format with Python-int maxima.
+
+    Fills every field the installed megatron-core defines, probing its dataclass so older and newer
+    releases both work: q and kv boundaries (real and padded), ``max_seqlen_q/kv``, and, where the
+    release has them, ``cp_group`` (context-parallel group; None without CP) and ``local_cp_size``
+    (Megatron's hybrid CP). A release without ``cp_group`` reads it from the model config instead,
+    so it is left out; any other value the release has no field for is a ValueError naming it.
+    """
     from megatron.core.packed_seq_params import (
         PackedSeqParams,
     )  # lazy: importing megatron takes ~5 s
 
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_kv=cu_seqlens,
-        cu_seqlens_q_padded=cu_seqlens_padded,
-        cu_seqlens_kv_padded=cu_seqlens_padded,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_kv=max_seqlen,
-    )
+    values: dict[str, Any] = {
+        "qkv_format": "thd",
+        "cu_seqlens_q": cu_seqlens,
+        "cu_seqlens_kv": cu_seqlens,
+        "cu_seqlens_q_padded": cu_seqlens_padded,
+        "cu_seqlens_kv_padded": cu_seqlens_padded,
+        "max_seqlen_q": max_seqlen,
+        "max_seqlen_kv": max_seqlen,
+        "cp_group": cp_group,
+        "local_cp_size": local_cp_size,
+    }
+    known = {f.name for f in dataclasses.fields(PackedSeqParams)}
+    missing = [k for k, v in values.items() if k not in known and v is not None and k != "cp_group"]
+    if missing:
+        raise ValueError(
+            f"this megatron-core's PackedSeqParams has no field {missing[0]!r} (given "
+            f"{values[missing[0]]!r}); upgrade megatron-core (local_cp_size needs hybrid CP support)"
+        )
+    return PackedSeqParams(**{k: v for k, v in values.items() if k in known})
 
 
 def _check_dtype(name: str, value: torch.Tensor, want: torch.dtype) -> None:

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from megapack import comm
+from megapack.cp import CP_LAYOUTS, CpLayout
+from megapack.cp_share import take_cp_share
 from megapack.errors import ProtocolError, RemoteDataError
 from megapack.sync import check_in_sync, debug_sync_enabled
 from megapack.topology import Topology
@@ -39,8 +41,9 @@ from megapack.wire import (
     Header,
     Status,
     decode,
-    encode_chunks,
+    encode_fields,
     join,
+    normalize,
 )
 
 __all__ = ["FIELDS", "OUTPUT_KEYS", "get_batch_on_this_tp_rank"]
@@ -65,6 +68,8 @@ def get_batch_on_this_tp_rank(
     *,
     topology: Topology | None = None,
     timeout: float | None = None,
+    cp_layout: CpLayout | None = None,
+    sequence_parallel: bool = False,
 ) -> dict[str, Any]:
     """Drop-in for Megatron's ``get_batch_on_this_tp_rank``, correct on every pipeline stage.
 
@@ -75,10 +80,20 @@ def get_batch_on_this_tp_rank(
     (rows merged into THD [1, b*s]), or a plain pretraining dict without ``cu_seqlens`` (kept as
     [b, s], with its optional ``attention_mask``).
 
+    With context parallelism (``topology.cp_size > 1``) every CP rank's TP source reads the same
+    full row and sends only its zigzag share of the per-token fields (`megapack.cp_share`):
+    tokens, labels, loss_mask and position_ids hold T / cp positions (plain batches: s / cp per
+    row, ``attention_mask`` [b, 1, s / cp, s]); ``cu_seqlens``, ``cu_seqlens_padded`` and
+    ``max_seqlen`` stay the whole row's, and ``packed_seq_params.cp_group`` is the CP group.
+
     Args:
         data_iterator: the source's iterator; ignored on the other TP ranks.
         topology: this rank's place in the grid; default: from megatron-core's ``parallel_state``.
         timeout: seconds a peer waits for the source (default: $MEGAPACK_TIMEOUT_S or 300).
+        cp_layout: "document" or "row", how packed rows are split over CP ranks; default:
+            ``topology.cp_layout``. Every CP rank must pass the same.
+        sequence_parallel: True when the model uses sequence parallelism, so each CP rank's
+            token count must also divide by tp (checked, with the padding that fixes it).
 
     Returns:
         A dict with exactly the keys ``tokens``, ``labels``, ``loss_mask``, ``attention_mask``,
@@ -93,6 +108,8 @@ def get_batch_on_this_tp_rank(
             raises its own error (e.g. ValueError naming the bad field, row and value).
         CollectiveError: when a TP peer is stuck past the timeout or has crashed.
     """
+    if cp_layout is not None and cp_layout not in CP_LAYOUTS:
+        raise ValueError(f"cp_layout must be one of {CP_LAYOUTS} or None, got {cp_layout!r}")
     topo = topology if topology is not None else Topology.from_parallel_state()
     state = (
         _GroupState() if topo.tp_group is None else _states.setdefault(topo.tp_group, _GroupState())
@@ -106,12 +123,18 @@ def get_batch_on_this_tp_rank(
             timeout=timeout,
         )
     if topo.is_source:
-        return _send(data_iterator, topo, state, timeout)
+        split = topo.cp_layout if cp_layout is None else cp_layout
+        return _send(data_iterator, topo, state, timeout, split, sequence_parallel)
     return _receive(topo, state, timeout)
 
 
 def _send(
-    data_iterator: Iterator[Any] | None, topo: Topology, state: _GroupState, timeout: float | None
+    data_iterator: Iterator[Any] | None,
+    topo: Topology,
+    state: _GroupState,
+    timeout: float | None,
+    cp_layout: CpLayout,
+    sequence_parallel: bool,
 ) -> dict[str, Any]:
     error: Exception | None = None
     try:
@@ -119,7 +142,12 @@ def _send(
             raise ValueError(
                 f"data_iterator is None on TP source rank {topo.src_rank}; the source must get an iterator"
             )
-        header, chunks = encode_chunks(next(data_iterator), topo.stage, topo.device)
+        layout, tensors, max_seqlen = normalize(next(data_iterator))
+        tensors = take_cp_share(
+            layout, tensors, cp_size=topo.cp_size, cp_rank=topo.cp_rank, cp_layout=cp_layout,
+            tp_size=topo.tp_size, sequence_parallel=sequence_parallel, stage=topo.stage,
+        )  # fmt: skip
+        header, chunks = encode_fields(layout, tensors, max_seqlen, topo.stage, topo.device)
     except StopIteration:
         header, chunks = Header(status=Status.STOP, stage=topo.stage), []
     except Exception as exc:
@@ -147,7 +175,7 @@ def _send(
         raise StopIteration
     if error is not None:
         raise error
-    return decode(header, payload)
+    return decode(header, payload, cp_group=topo.cp_group)
 
 
 def _receive(topo: Topology, state: _GroupState, timeout: float | None) -> dict[str, Any]:
@@ -169,7 +197,7 @@ def _receive(topo: Topology, state: _GroupState, timeout: float | None) -> dict[
             f"TP source rank {topo.src_rank} serves pipeline stage {header.stage.value!r} but this rank "
             f"is on stage {topo.stage.value!r}: TP peers must share a pipeline stage (check the Topology)"
         )
-    return decode(header, payload)
+    return decode(header, payload, cp_group=topo.cp_group)
 
 
 def _settle(state: _GroupState, header: Header) -> None:

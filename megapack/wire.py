@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megapack.batch import CU_DTYPE, MASK_DTYPE, TOKEN_DTYPE, PackedBatch, make_packed_seq_params
 from megapack.errors import ProtocolError
@@ -40,15 +41,18 @@ class Field:
     stages: frozenset[Stage]
     shape: str
     """"grid" ([rows, cols]), "cu" / "cu_padded" (1-D, length in the header), "mask" (4-D, header)."""
+    cp_dim: int | None = None
+    """Token dimension a context-parallel rank keeps its share of (`megapack.cp_share`); None: the
+    field stays whole on every CP rank (boundaries describe the whole row)."""
 
 
 # The one table: which pipeline stage receives which tensor. Sender and receivers both read it.
 FIELDS: tuple[Field, ...] = (
-    Field("tokens", TOKEN_DTYPE, FIRST, "grid"),
-    Field("position_ids", TOKEN_DTYPE, FIRST, "grid"),
-    Field("labels", TOKEN_DTYPE, LAST, "grid"),
-    Field("loss_mask", MASK_DTYPE, LAST, "grid"),
-    Field("attention_mask", torch.bool, ALL_STAGES, "mask"),
+    Field("tokens", TOKEN_DTYPE, FIRST, "grid", cp_dim=1),
+    Field("position_ids", TOKEN_DTYPE, FIRST, "grid", cp_dim=1),
+    Field("labels", TOKEN_DTYPE, LAST, "grid", cp_dim=1),
+    Field("loss_mask", MASK_DTYPE, LAST, "grid", cp_dim=1),
+    Field("attention_mask", torch.bool, ALL_STAGES, "mask", cp_dim=2),  # [b, 1, s_q, s_kv]: queries
     Field("cu_seqlens", CU_DTYPE, ALL_STAGES, "cu"),
     Field("cu_seqlens_padded", CU_DTYPE, ALL_STAGES, "cu_padded"),
 )
@@ -140,9 +144,20 @@ def encode_chunks(
     item: Any, stage: Stage, device: torch.device
 ) -> tuple[Header, list[torch.Tensor]]:
     """Like `encode`, but the payload as its 8-byte aligned pieces, so a caller can frame it without a copy."""
-    layout, tensors, max_seqlen = normalize(item)
-    tokens = tensors["tokens"]
-    assert tokens is not None  # normalize() always returns tokens
+    return encode_fields(*normalize(item), stage, device)
+
+
+def encode_fields(
+    layout: Layout,
+    tensors: Mapping[str, torch.Tensor | None],
+    max_seqlen: int | None,
+    stage: Stage,
+    device: torch.device,
+) -> tuple[Header, list[torch.Tensor]]:
+    """Lay out already normalized fields (`normalize`, then maybe `megapack.cp_share`) for ``stage``."""
+    grid = [t for f in FIELDS if f.shape == "grid" and (t := tensors.get(f.name)) is not None]
+    rows, cols = grid[0].shape if grid else (0, 0)  # every grid field has this (rows, cols)
+    mask = tensors.get("attention_mask")
     chosen = [
         (f, t) for f in FIELDS if stage in f.stages and (t := tensors.get(f.name)) is not None
     ]
@@ -154,13 +169,12 @@ def encode_chunks(
         if pad := -nbytes % 8:
             chunks.append(torch.zeros(pad, dtype=torch.uint8, device=device))
             nbytes += pad
-    mask = tensors.get("attention_mask")
     header = Header(
         status=Status.OK,
         stage=stage,
         layout=layout,
-        rows=int(tokens.shape[0]),
-        cols=int(tokens.shape[1]),
+        rows=int(rows),
+        cols=int(cols),
         n_cu=_numel(tensors.get("cu_seqlens")),
         n_cu_padded=_numel(tensors.get("cu_seqlens_padded")),
         max_seqlen=-1 if max_seqlen is None else max_seqlen,
@@ -176,8 +190,13 @@ def join(chunks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=device)
 
 
-def decode(header: Header, payload: torch.Tensor) -> dict[str, Any]:
-    """Slice the payload into the output dict; identical on the source and its peers."""
+def decode(
+    header: Header, payload: torch.Tensor, *, cp_group: dist.ProcessGroup | None = None
+) -> dict[str, Any]:
+    """Slice the payload into the output dict; identical on the source and its peers.
+
+    ``cp_group`` (the context-parallel group, None without CP) goes into ``packed_seq_params``.
+    """
     out: dict[str, Any] = dict.fromkeys(OUTPUT_KEYS)
     offset = 0
     for i, f in enumerate(FIELDS):
@@ -190,7 +209,7 @@ def decode(header: Header, payload: torch.Tensor) -> dict[str, Any]:
     if header.layout == Layout.PACKED:
         out["max_seqlen"] = header.max_seqlen
         out["packed_seq_params"] = make_packed_seq_params(
-            out["cu_seqlens"], out["cu_seqlens_padded"], header.max_seqlen
+            out["cu_seqlens"], out["cu_seqlens_padded"], header.max_seqlen, cp_group=cp_group
         )
     return out
 
