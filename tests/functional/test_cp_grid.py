@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megapack import PackedBatch, get_batch_on_this_tp_rank
+from megapack import PackedBatch, Topology, get_batch_on_this_tp_rank
 from megapack.cp import CP_LAYOUTS, cp_indices
 from megapack.testing.grids import CP_GRIDS, Grid, grid_topology
 from tests.functional.test_tp_pp_grid import COLLECTIVES, TENSOR_KEYS, expected
@@ -146,9 +146,25 @@ def _summary(out: dict[str, Any]) -> dict[str, Any]:
     return rec
 
 
-def run_cp_grid(tp: int, pp: int, cp: int) -> dict[str, Any]:
-    """Both layouts x micro-batch sizes 1 and 2 on one process group: every call's output and sizes."""
+def run_cp_grid(tp: int, pp: int, cp: int, use_megatron: bool = False) -> dict[str, Any]:
+    """Both layouts x micro-batch sizes 1 and 2 on one process group: every call's output and sizes.
+
+    With ``use_megatron`` the Topology comes from megatron-core's parallel_state instead, and
+    must equal the hand-built one of the same grid.
+    """
     topo = grid_topology(tp, pp, cp)  # cp_layout "document" on the Topology, "row" per call
+    if use_megatron:
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        )
+        mine = Topology.from_parallel_state()
+        fields = ("tp_ranks", "tp_rank", "pp_rank", "pp_size", "cp_ranks", "cp_rank", "cp_layout")
+        got, want = ([getattr(t, f) for f in fields] for t in (mine, topo))
+        if got != want:
+            raise AssertionError(f"rank {dist.get_rank()}: from_parallel_state {got} != {want}")
+        topo = mine
     log = _record_collectives()
     runs: dict[str, Any] = {}
     for layout in CP_LAYOUTS:
@@ -227,6 +243,13 @@ def test_cp_grid_every_rank_gets_its_share(dist_pool: Any, grid: Grid) -> None:
         )
         if grid.tp > 1:
             assert all(len(v) >= len(stream(1, grid.cp)) for v in logs[0].values()), ranks
+
+
+def test_cp_topology_from_megatron_parallel_state(dist_pool: Any) -> None:
+    grid = Grid(2, 2, 2)
+    results = dist_pool.run(run_cp_grid, 8, grid.tp, grid.pp, grid.cp, True, timeout=120)
+    for r in results:
+        check_rank(r, grid.cp)
 
 
 def run_bytes(tp: int, cp: int, n_rows: int) -> int:
