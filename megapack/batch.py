@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from megapack.sft import merge_rows
+
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -279,9 +281,13 @@ class PackedBatch:
             rows of s=4 with cu_seqlens ``[[0, 3, 4, -1], [0, 4, 4, 4]]`` merge into
             ``cu_seqlens [0, 3, 4, 8]``.
         """
-        from megapack.sft import merge_rows
-
-        return merge_rows(batch)
+        merged = merge_rows(batch)
+        dtypes = {"loss_mask": MASK_DTYPE}
+        return cls(
+            **{k: v.to(dtypes.get(k, TOKEN_DTYPE)) for k, v in merged.grid.items()},
+            cu_seqlens=merged.cu_seqlens,
+            max_seqlen=merged.max_seqlen,
+        ).validate()
 
 
 def make_packed_seq_params(

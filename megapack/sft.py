@@ -3,26 +3,42 @@
 Megatron's SFT datasets (and NeMo's packed datasets) give ``tokens``, ``labels``, ``loss_mask`` and
 ``position_ids`` of shape [b, s] and ``cu_seqlens`` of shape [b, k]: each row's boundaries start at
 0, end at s, and are padded after that with -1 or with repeats of s (both conventions exist).
-`merge_rows` turns them into one `PackedBatch` of T = b * s tokens, row offsets added, sentinels
-removed, so ``cu_seqlens`` is 1-D int32 on every rank; Megatron-LM returned it 2-D on TP rank 0 and
+`merge_rows` turns them into one THD row of T = b * s tokens (`MergedRows`, which
+`megapack.PackedBatch.from_megatron_batch` validates), row offsets added, sentinels removed, so
+``cu_seqlens`` is 1-D int32 on every rank; Megatron-LM returned it 2-D on TP rank 0 and
 1-D on the others, and dropped every sample after the first with micro-batch size > 1.
 
 Example: rows of s=4 with cu_seqlens ``[[0, 3, 4, -1], [0, 4, 4, 4]]`` merge into ``[0, 3, 4, 8]``.
+
+Imports nothing from megapack: `megapack.batch` builds on it, never the other way round.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from megapack.batch import MASK_DTYPE, TOKEN_DTYPE, PackedBatch
+GRID_NAMES = ("tokens", "labels", "loss_mask", "position_ids")
 
 
-def merge_rows(batch: Mapping[str, Any]) -> PackedBatch:
-    """Merge a Megatron SFT-style batch of b rows into one validated THD `PackedBatch` (see `PackedBatch.from_megatron_batch`)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MergedRows:
+    """b rows of an SFT-style batch as one THD row, dtypes as given (not yet validated)."""
+
+    grid: dict[str, torch.Tensor]
+    """``tokens``, ``labels``, ``loss_mask``, ``position_ids``, each [1, b * s]."""
+    cu_seqlens: torch.Tensor
+    """[n + 1] int32 merged boundaries, on the tokens' device."""
+    max_seqlen: int
+    """The given ``max_seqlen`` (its maximum over rows) or the longest document."""
+
+
+def merge_rows(batch: Mapping[str, Any]) -> MergedRows:
+    """Merge a Megatron SFT-style batch of b rows into one THD row (see `PackedBatch.from_megatron_batch`)."""
     tokens = grid_tensor(batch, "tokens")
     b, s = tokens.shape
     grid = {
@@ -54,14 +70,11 @@ def merge_rows(batch: Mapping[str, Any]) -> PackedBatch:
                 f"max_seqlen={given_max} is below the longest document ({longest} tokens)"
             )
         max_seqlen = given_max
-    return PackedBatch(
-        tokens=grid["tokens"].to(TOKEN_DTYPE).reshape(1, b * s),
-        labels=grid["labels"].to(TOKEN_DTYPE).reshape(1, b * s),
-        loss_mask=grid["loss_mask"].to(MASK_DTYPE).reshape(1, b * s),
-        position_ids=grid["position_ids"].to(TOKEN_DTYPE).reshape(1, b * s),
+    return MergedRows(
+        grid={name: grid[name].reshape(1, b * s) for name in GRID_NAMES},
         cu_seqlens=torch.from_numpy(cu.astype(np.int32)).to(grid["tokens"].device),
         max_seqlen=max_seqlen,
-    ).validate()
+    )
 
 
 def grid_tensor(
