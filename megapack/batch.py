@@ -271,8 +271,9 @@ class PackedBatch:
             batch: ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` of shape [b, s] and
                 ``cu_seqlens`` of shape [b, k] (or [k] when b == 1): each row's boundaries start
                 at 0, end at s, and are padded after that with -1 or with repeats of s. Optional
-                ``max_seqlen`` (int or tensor; at least the longest document). ``attention_mask``
-                and ``cu_seqlens_argmin`` are redundant with the boundaries and ignored.
+                ``max_seqlen`` (int or tensor; at least the longest document) and
+                ``cu_seqlens_padded`` [b, k'] (per-document padding: then ``cu_seqlens`` holds
+                the real lengths, see `megapack.sft`). Other keys are not read here.
 
         Returns:
             A validated PackedBatch of T = b * s tokens with row offsets added to the boundaries.
@@ -286,6 +287,7 @@ class PackedBatch:
         return cls(
             **{k: v.to(dtypes.get(k, TOKEN_DTYPE)) for k, v in merged.grid.items()},
             cu_seqlens=merged.cu_seqlens,
+            cu_seqlens_padded=merged.cu_seqlens_padded,
             max_seqlen=merged.max_seqlen,
         ).validate()
 

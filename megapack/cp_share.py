@@ -24,8 +24,9 @@ from collections.abc import Mapping
 import torch
 
 from megapack.cp import CpLayout, check_cp_spans, cp_indices
+from megapack.inputs import Layout
 from megapack.topology import Stage
-from megapack.wire import FIELDS, Layout
+from megapack.wire import FIELDS
 
 
 def take_cp_share(

@@ -32,8 +32,9 @@ from megapack import comm
 from megapack.cp import CP_LAYOUTS, CpLayout
 from megapack.cp_share import take_cp_share
 from megapack.errors import ProtocolError, RemoteDataError
+from megapack.inputs import Layout, normalize
 from megapack.sync import check_in_sync, debug_sync_enabled
-from megapack.topology import Topology
+from megapack.topology import Stage, Topology
 from megapack.wire import (
     FIELDS,
     HEADER_BYTES,
@@ -43,7 +44,6 @@ from megapack.wire import (
     decode,
     encode_fields,
     join,
-    normalize,
 )
 
 __all__ = ["FIELDS", "OUTPUT_KEYS", "get_batch_on_this_tp_rank"]
@@ -70,11 +70,16 @@ def get_batch_on_this_tp_rank(
     timeout: float | None = None,
     cp_layout: CpLayout | None = None,
     sequence_parallel: bool = False,
+    packed: bool | None = None,
 ) -> dict[str, Any]:
     """Drop-in for Megatron's ``get_batch_on_this_tp_rank``, correct on every pipeline stage.
 
     Call it on every rank of a TP group once per micro-step. Only the TP source (TP rank 0) calls
     ``next(data_iterator)``; other ranks may pass None and their iterator is never touched.
+    Megatron builds no dataset on middle pipeline stages for plain pretraining: a middle stage
+    whose source passes None returns the all-None batch on every TP rank. Packed batches need
+    ``cu_seqlens`` there too; with ``packed=True`` a middle source without an iterator is an error
+    saying how to build one (Megatron's ``is_dataset_built_on_rank``).
 
     The source accepts a `PackedBatch`, a Megatron SFT-style dict with ``cu_seqlens`` [b, k]
     (rows merged into THD [1, b*s]), or a plain pretraining dict without ``cu_seqlens`` (kept as
@@ -94,13 +99,18 @@ def get_batch_on_this_tp_rank(
             ``topology.cp_layout``. Every CP rank must pass the same.
         sequence_parallel: True when the model uses sequence parallelism, so each CP rank's
             token count must also divide by tp (checked, with the padding that fixes it).
+        packed: whether batches carry ``cu_seqlens`` (Megatron's ``has_cu_seqlens``: ``--sft`` or
+            inter-document masking). None: each batch says. True/False: a batch of the other
+            kind is an error, and a middle stage's source without an iterator is an error (True)
+            or returns the all-None batch (False or None).
 
     Returns:
-        A dict with exactly the keys ``tokens``, ``labels``, ``loss_mask``, ``attention_mask``,
-        ``position_ids``, ``cu_seqlens``, ``cu_seqlens_padded``, ``max_seqlen`` and
-        ``packed_seq_params``; a field this stage does not need is None (`megapack.wire.FIELDS`).
-        Packed batches give ``cu_seqlens`` 1-D int32, ``max_seqlen`` a Python int and
-        ``attention_mask`` None, on every stage.
+        A dict with exactly the keys `megapack.wire.OUTPUT_KEYS`: one per field of
+        `megapack.wire.FIELDS` (``tokens``, ``position_ids``, ``labels``, ``loss_mask``,
+        ``attention_mask``, ``cu_seqlens``, ``cu_seqlens_padded``, ``dataset_id``), then
+        ``max_seqlen``, ``local_cp_size`` and ``packed_seq_params``; a field this stage does not
+        need is None. Packed batches give ``cu_seqlens`` 1-D int32, ``max_seqlen`` a Python int
+        and ``attention_mask`` None, on every stage.
 
     Raises:
         StopIteration: on every TP rank, in the same call, when the source's iterator is exhausted.
@@ -110,6 +120,8 @@ def get_batch_on_this_tp_rank(
     """
     if cp_layout is not None and cp_layout not in CP_LAYOUTS:
         raise ValueError(f"cp_layout must be one of {CP_LAYOUTS} or None, got {cp_layout!r}")
+    if packed is not None and not isinstance(packed, bool):
+        raise TypeError(f"packed must be True, False or None, got {packed!r}")
     topo = topology if topology is not None else Topology.from_parallel_state()
     state = (
         _GroupState() if topo.tp_group is None else _states.setdefault(topo.tp_group, _GroupState())
@@ -123,9 +135,22 @@ def get_batch_on_this_tp_rank(
             timeout=timeout,
         )
     if topo.is_source:
-        split = topo.cp_layout if cp_layout is None else cp_layout
-        return _send(data_iterator, topo, state, timeout, split, sequence_parallel)
+        options = _SourceOptions(
+            cp_layout=topo.cp_layout if cp_layout is None else cp_layout,
+            sequence_parallel=sequence_parallel,
+            packed=packed,
+        )
+        return _send(data_iterator, topo, state, timeout, options)
     return _receive(topo, state, timeout)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _SourceOptions:
+    """How the TP source turns an item into what it sends (see get_batch_on_this_tp_rank's Args)."""
+
+    cp_layout: CpLayout
+    sequence_parallel: bool
+    packed: bool | None
 
 
 def _send(
@@ -133,21 +158,15 @@ def _send(
     topo: Topology,
     state: _GroupState,
     timeout: float | None,
-    cp_layout: CpLayout,
-    sequence_parallel: bool,
+    options: _SourceOptions,
 ) -> dict[str, Any]:
     error: Exception | None = None
+    chunks: list[torch.Tensor] = []
     try:
         if data_iterator is None:
-            raise ValueError(
-                f"data_iterator is None on TP source rank {topo.src_rank}; the source must get an iterator"
-            )
-        layout, tensors, max_seqlen = normalize(next(data_iterator))
-        tensors = take_cp_share(
-            layout, tensors, cp_size=topo.cp_size, cp_rank=topo.cp_rank, cp_layout=cp_layout,
-            tp_size=topo.tp_size, sequence_parallel=sequence_parallel, stage=topo.stage,
-        )  # fmt: skip
-        header, chunks = encode_fields(layout, tensors, max_seqlen, topo.stage, topo.device)
+            header = _without_iterator(topo, options)
+        else:
+            header, chunks = _encode_item(next(data_iterator), topo, options)
     except StopIteration:
         header, chunks = Header(status=Status.STOP, stage=topo.stage), []
     except Exception as exc:
@@ -176,6 +195,42 @@ def _send(
     if error is not None:
         raise error
     return decode(header, payload, cp_group=topo.cp_group)
+
+
+def _encode_item(
+    item: Any, topo: Topology, options: _SourceOptions
+) -> tuple[Header, list[torch.Tensor]]:
+    """Normalize, take this CP rank's share, encode for this stage."""
+    layout, tensors, scalars = normalize(item)
+    if options.packed is not None and (layout == Layout.PACKED) != options.packed:
+        raise ValueError(
+            f"get_batch_on_this_tp_rank(packed={options.packed}) but the batch "
+            + ("has cu_seqlens" if layout == Layout.PACKED else "has no cu_seqlens")
+            + ": pass packed= matching the data (Megatron: --sft or inter-document masking)"
+        )
+    tensors = take_cp_share(
+        layout, tensors, cp_size=topo.cp_size, cp_rank=topo.cp_rank, cp_layout=options.cp_layout,
+        tp_size=topo.tp_size, sequence_parallel=options.sequence_parallel, stage=topo.stage,
+    )  # fmt: skip
+    return encode_fields(layout, tensors, scalars, topo.stage, topo.device)
+
+
+def _without_iterator(topo: Topology, options: _SourceOptions) -> Header:
+    """A middle stage of plain pretraining has no dataset: the all-None batch. Anything else is an error."""
+    if topo.stage == Stage.MIDDLE and not options.packed:
+        return Header(status=Status.OK, stage=topo.stage, layout=Layout.PLAIN)
+    if topo.stage == Stage.MIDDLE:
+        raise ValueError(
+            f"data_iterator is None on TP source rank {topo.src_rank} of a middle pipeline stage "
+            f"(pp_rank {topo.pp_rank}), but packed batches need cu_seqlens on every stage: build the "
+            "dataset on TP rank 0 of every pipeline stage (Megatron: is_dataset_built_on_rank must "
+            "return True there, e.g. is_dataset_built_on_rank(vp_stage, is_packed_sequence=True)) "
+            "and pass its iterator"
+        )
+    raise ValueError(
+        f"data_iterator is None on TP source rank {topo.src_rank} (pipeline stage "
+        f"{topo.stage.value!r}, pp_rank {topo.pp_rank}); this stage's TP rank 0 must get an iterator"
+    )
 
 
 def _receive(topo: Topology, state: _GroupState, timeout: float | None) -> dict[str, Any]:

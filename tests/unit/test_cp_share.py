@@ -10,7 +10,8 @@ import torch
 from megapack import PackedBatch, Stage
 from megapack.batch import make_packed_seq_params
 from megapack.cp_share import take_cp_share
-from megapack.wire import Layout, decode, encode_fields, normalize
+from megapack.inputs import Layout, Scalars, normalize
+from megapack.wire import decode, encode_fields
 
 CPU = torch.device("cpu")
 
@@ -33,20 +34,20 @@ def two_documents() -> PackedBatch:
 def test_worked_example_cuts_tokens_and_keeps_boundaries(
     layout: str, rank: int, want: list[int]
 ) -> None:
-    kind, tensors, max_seqlen = normalize(two_documents())
+    kind, tensors, scalars = normalize(two_documents())
     share = take_cp_share(kind, tensors, cp_size=2, cp_rank=rank, cp_layout=layout)  # type: ignore[arg-type]
     assert share["tokens"] is not None and share["tokens"].tolist() == [want]
     assert share["position_ids"] is not None and share["position_ids"].tolist() == [
         [i % 8 for i in want]
     ]
-    assert share["cu_seqlens"] is tensors["cu_seqlens"] and max_seqlen == 8
-    out = decode(*_header_payload(kind, share, max_seqlen, Stage.ONLY))
+    assert share["cu_seqlens"] is tensors["cu_seqlens"] and scalars.max_seqlen == 8
+    out = decode(*_header_payload(kind, share, scalars, Stage.ONLY))
     assert out["tokens"].tolist() == [want] and out["cu_seqlens"].tolist() == [0, 8, 16]
     assert out["max_seqlen"] == 8
 
 
-def _header_payload(kind: Layout, tensors: dict, max_seqlen: int | None, stage: Stage) -> tuple:
-    header, chunks = encode_fields(kind, tensors, max_seqlen, stage, CPU)
+def _header_payload(kind: Layout, tensors: dict, scalars: Scalars, stage: Stage) -> tuple:
+    header, chunks = encode_fields(kind, tensors, scalars, stage, CPU)
     return header, torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
 
 
@@ -77,11 +78,11 @@ def test_plain_batch_splits_rows_and_the_mask_query_dim() -> None:
 
 
 def test_stage_drops_fields_it_does_not_receive() -> None:
-    kind, tensors, _ = normalize(two_documents())
+    kind, tensors, scalars = normalize(two_documents())
     share = take_cp_share(kind, tensors, cp_size=2, cp_rank=0, stage=Stage.LAST)
     assert share["tokens"] is None and share["position_ids"] is None
     assert share["labels"] is not None and share["labels"].shape == (1, 8)
-    header, _ = encode_fields(kind, share, 8, Stage.LAST, CPU)
+    header, _ = encode_fields(kind, share, scalars, Stage.LAST, CPU)
     assert (header.rows, header.cols) == (1, 8)
 
 
