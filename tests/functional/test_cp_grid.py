@@ -183,6 +183,7 @@ def run_cp_grid(tp: int, pp: int, cp: int, use_megatron: bool = False) -> dict[s
                 except Exception as exc:
                     steps.append(f"{type(exc).__name__}: {exc}")
             runs[f"{layout}-mbs{mbs}"] = {"steps": steps, "sizes": log[start:]}
+    dist.barrier()  # leave together: a rank tearing down early breaks a peer still connecting a group
     return {
         "stage": topo.stage.value,
         "tp_ranks": topo.tp_ranks,
@@ -262,7 +263,9 @@ def run_bytes(tp: int, cp: int, n_rows: int) -> int:
     data = iter(rows) if topo.is_source else None
     for _ in rows:
         get_batch_on_this_tp_rank(data, topology=topo)
-    return sum(n for _, n in log)
+    moved = sum(n for _, n in log)
+    dist.barrier()
+    return moved
 
 
 def test_cp_halves_the_bytes_each_tp_peer_receives(dist_pool: Any) -> None:

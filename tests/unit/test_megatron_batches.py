@@ -199,3 +199,52 @@ def test_packed_batch_to_packed_seq_params_still_works() -> None:
     b = PackedBatch.from_documents([[1, 2, 3], [4]], pad_to_multiple_of=2)
     psp = b.to_packed_seq_params()
     assert psp.cu_seqlens_q_padded is b.cu_seqlens_padded and psp.cp_group is None
+
+
+# ---------------------------------------------------------------- Megatron's test_get_batch.py, CPU-only cases
+
+
+def two_documents_per_row(mbs: int, s: int, sentinel_copies: int = 0) -> dict[str, Any]:
+    """Each row: tokens range(s), documents [0, s/2) and [s/2, s), cu_seqlens padded with copies of s."""
+    cu = torch.tensor([[0, s // 2, s] + [s] * sentinel_copies] * mbs, dtype=torch.int32)
+    tokens = torch.arange(s).repeat(mbs, 1)
+    return {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(mbs, s),
+            "position_ids": (tokens % (s // 2)), "cu_seqlens": cu,
+            "max_seqlen": torch.full((mbs,), s // 2, dtype=torch.int32)}  # fmt: skip
+
+
+@pytest.mark.parametrize("copies", [0, 3], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("s", [16, 1024])
+@pytest.mark.parametrize("mbs", [1, 2, 4])
+def test_rows_merge_like_flatten_batch_for_packed_sequences(mbs: int, s: int, copies: int) -> None:
+    item = two_documents_per_row(mbs, s, copies)
+    for pp_rank, stage in ((0, "only"), (1, "middle")):
+        out = one(item, on_stage(pp_rank, 1 if stage == "only" else 3))
+        want = [0] + [v for i in range(mbs) for v in (i * s + s // 2, (i + 1) * s)]
+        assert out["cu_seqlens"].tolist() == want, stage  # 3 + 2 * (mbs - 1) entries, offsets i * s
+        assert out["max_seqlen"] == s // 2
+        if stage == "only":
+            assert out["tokens"].shape == (1, mbs * s)
+            assert torch.equal(out["tokens"], item["tokens"].reshape(1, -1))
+        else:
+            assert out["tokens"] is None and out["labels"] is None and out["position_ids"] is None
+
+
+@pytest.mark.parametrize("s", [16, 1024])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_per_sequence_balancing_takes_chunks_r_and_2cp_minus_1_minus_r(cp: int, s: int) -> None:
+    from megapack.cp_share import take_cp_share
+    from megapack.inputs import normalize
+
+    kind, tensors, scalars = normalize(two_documents_per_row(1, s))
+    for rank in range(cp):
+        share = take_cp_share(kind, tensors, cp_size=cp, cp_rank=rank, cp_layout="row")
+        c = s // (2 * cp)
+        want = torch.cat(
+            [
+                torch.arange(rank * c, (rank + 1) * c),
+                torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c),
+            ]
+        )
+        assert torch.equal(share["tokens"], want[None]), rank  # type: ignore[arg-type]
+        assert share["cu_seqlens"] is tensors["cu_seqlens"] and scalars.max_seqlen == s // 2
