@@ -2,7 +2,8 @@
 
 Sections (each a module here): `transfer` (get_batch_on_this_tp_rank vs Megatron-style per-tensor
 broadcasts vs one bare broadcast), `throughput` (real tokens/s packed vs padded, tiny megatron-core
-GPT) and `packing` (every algorithm's efficiency against the lower bound, and planning time).
+GPT), `packing` (every algorithm's efficiency against the lower bound, and planning time) and
+`cp` (the padding each context-parallel layout costs on the real lengths at cp 2, 4, 8).
 
 Launched plainly, it starts its own worker processes (gloo on CPU); under ``torchrun`` it uses the
 launched ranks (NCCL when CUDA is present). Output: a markdown report on stdout, ``--json PATH``
@@ -38,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--lengths",
         help="JSON list of real document lengths (default: ../shared/data/openchat_v1_lengths.json)",
     )
-    p.add_argument("--skip", nargs="*", default=[], choices=["transfer", "throughput", "packing"])
+    p.add_argument(
+        "--skip", nargs="*", default=[], choices=["transfer", "throughput", "packing", "cp"]
+    )
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -75,6 +78,7 @@ def main(args: argparse.Namespace) -> int:
         "transfer": [],
         "throughput": [],
         "packing": [],
+        "cp": [],
     }
     if launched:
         dist.init_process_group("nccl" if _cuda() else "gloo")
@@ -111,11 +115,22 @@ def main(args: argparse.Namespace) -> int:
 
         _step("packing", rank0)
         results["packing"] = run_packing(lengths, cfg["best_time_limit_s"], cfg["big_n"])
+    if rank0 and "cp" not in args.skip:
+        from megapack.bench.cp import run_cp_padding
+        from megapack.bench.datasets import OPENCHAT_CAP
+
+        _step("cp padding", rank0)
+        results["cp"] = run_cp_padding(lengths, OPENCHAT_CAP)
     if rank0:
         print(report.markdown(results), flush=True)
+        if results["cp"]:
+            from megapack.bench.cp import markdown as cp_markdown
+
+            print(cp_markdown(results["cp"]), flush=True)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(report.to_json(results), indent=2) + "\n")
+            data = report.to_json(results) | {"cp": results["cp"]}
+            Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
             print(f"JSON -> {args.json}")
         if args.plots:
             for path in report.plots(results, args.plots):
