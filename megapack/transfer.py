@@ -208,6 +208,13 @@ def _encode_item(
             + ("has cu_seqlens" if layout == Layout.PACKED else "has no cu_seqlens")
             + ": pass packed= matching the data (Megatron: --sft or inter-document masking)"
         )
+    hybrid = scalars.local_cp_size
+    if hybrid is not None and hybrid != topo.cp_size:
+        raise ValueError(
+            f"batch has local_cp_size={hybrid} but this rank's CP group has {topo.cp_size} ranks "
+            f"({topo.cp_ranks or 'no CP group'}): for Megatron's hybrid CP build the Topology with this "
+            f"batch's group, Topology.from_groups(tp_group, cp_group=<the {hybrid}-rank hybrid CP group>, ...)"
+        )
     tensors = take_cp_share(
         layout, tensors, cp_size=topo.cp_size, cp_rank=topo.cp_rank, cp_layout=options.cp_layout,
         tp_size=topo.tp_size, sequence_parallel=options.sequence_parallel, stage=topo.stage,

@@ -93,15 +93,24 @@ def test_cu_seqlens_argmin_is_ignored_and_unknown_keys_are_named() -> None:
         one({**plain(), "local_cp_size": 2}, on_stage(0, 1))
 
 
-@pytest.mark.parametrize("value", [torch.tensor([2], dtype=torch.int32), 2], ids=["tensor", "int"])
+@pytest.mark.parametrize("value", [torch.tensor([1], dtype=torch.int32), 1], ids=["tensor", "int"])
 @pytest.mark.parametrize("pp_rank", [0, 1, 2], ids=["first", "middle", "last"])
 def test_local_cp_size_lands_in_packed_seq_params(value: Any, pp_rank: int) -> None:
+    # Without a CP group the only consistent hybrid size is 1 (TE: "turn CP off for this batch");
+    # tests/functional/test_megatron_get_batch.py carries local_cp_size == cp on CP grids.
     out = one({**sft(), "local_cp_size": value}, on_stage(pp_rank, 3))
-    assert out["local_cp_size"] == 2 and type(out["local_cp_size"]) is int
-    assert out["packed_seq_params"].local_cp_size == 2
+    assert out["local_cp_size"] == 1 and type(out["local_cp_size"]) is int
+    assert out["packed_seq_params"].local_cp_size == 1
     assert one(sft(), on_stage(pp_rank, 3))["packed_seq_params"].local_cp_size is None
     with pytest.raises(ValueError, match=r"batch\['local_cp_size'\] must be an int >= 1, got 0"):
         one({**sft(), "local_cp_size": 0}, on_stage(pp_rank, 3))
+
+
+def test_local_cp_size_must_match_the_topology_cp_group() -> None:
+    with pytest.raises(
+        ValueError, match=r"local_cp_size=4 but this rank's CP group has 1 ranks.*hybrid CP"
+    ):
+        one({**sft(), "local_cp_size": 4}, on_stage(0, 1))
 
 
 # ---------------------------------------------------------------- multi-token prediction
