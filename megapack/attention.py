@@ -187,7 +187,7 @@ class PackedAttention(torch.nn.Module):
             raise ValueError("PackedAttention does not support attention_bias")
         dropout = self.dropout if self.training else 0.0
         rope, self.rope = self.rope, None
-        group = self._context_parallel_group(packed_seq_params)
+        group = self.context_parallel_group(packed_seq_params)
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             if group is not None:
                 return sbhd_cp_attention(query, key, value, attention_mask, group=group, scale=self.softmax_scale, dropout=dropout)  # fmt: skip
@@ -205,9 +205,10 @@ class PackedAttention(torch.nn.Module):
             out = KERNELS[name](query, key, value, docs, self.softmax_scale, dropout)
         return out.reshape(query.shape[0], -1)
 
-    def _context_parallel_group(self, params: Any) -> Any:
+    def context_parallel_group(self, params: Any) -> Any:
         """The CP group when it has more than one rank, else None."""
-        group = getattr(params, "cp_group", None) or self._cp_group
+        group = getattr(params, "cp_group", None)
+        group = self._cp_group if group is None else group
         if group is None and getattr(self.config, "context_parallel_size", 1) > 1:
             from megatron.core import parallel_state
 

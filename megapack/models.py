@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from megapack.cp import CpLayout
 from megapack.topology import Topology
 from megapack.transfer import get_batch_on_this_tp_rank
 
@@ -52,6 +54,8 @@ class TinyGPT:
     """"rope" or "learned_absolute"."""
     backend: str = "auto"
     """Attention backend for `megapack.attention.PackedAttention`."""
+    cp_layout: CpLayout = "document"
+    """How packed rows are split over context-parallel ranks (used when cp > 1)."""
 
     def build(self, *, vp_stage: int | None = None) -> Any:
         """This rank's ``GPTModel`` chunk, on CPU, fp32, no dropout, untied embeddings."""
@@ -68,6 +72,7 @@ class TinyGPT:
             num_query_groups=self.num_query_groups,
             tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
             pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+            context_parallel_size=ps.get_context_parallel_world_size(),
             pipeline_dtype=torch.float32,
             params_dtype=torch.float32,
             use_cpu_initialization=True,
@@ -76,7 +81,7 @@ class TinyGPT:
         )
         return GPTModel(
             config=config,
-            transformer_layer_spec=packed_gpt_layer_spec(self.backend),
+            transformer_layer_spec=packed_gpt_layer_spec(self.backend, cp_layout=self.cp_layout),
             vocab_size=self.vocab_size,
             max_sequence_length=self.max_sequence_length,
             pre_process=ps.is_pipeline_first_stage(
@@ -119,16 +124,26 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 def masked_mean_loss(
-    loss_mask: torch.Tensor, per_token: torch.Tensor
+    loss_mask: torch.Tensor, per_token: torch.Tensor, cp_group: Any = None
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Mean loss over trained positions of one micro-batch; also reports the masked per-token losses."""
+    """Mean loss over trained positions of one micro-batch; also reports the masked per-token losses.
+
+    With a context-parallel ``cp_group`` each rank holds a share of the tokens: the loss is this
+    share's sum over the whole micro-batch's trained-token count, so the CP ranks' losses add up to
+    the micro-batch mean. megatron-core's schedule multiplies a returned loss by cp and its DDP
+    averages gradients over the dp x cp group: together, the gradient of that mean. The reported
+    ``"lm loss"`` is the mean itself, on every CP rank.
+    """
     mask = loss_mask.float()
-    loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1.0)
-    # clone(): the schedule divides the returned loss in place by the number of micro-batches.
-    return loss, {
-        "lm loss": loss.detach().clone(),
-        "per_token": (per_token.detach() * mask).clone(),
-    }
+    count = mask.sum()
+    if cp_group is not None:
+        count = count.detach().clone()
+        dist.all_reduce(count, group=cp_group)
+    loss = (per_token.float() * mask).sum() / count.clamp(min=1.0)
+    reported = loss.detach().clone()  # clone(): the schedule divides the loss in place
+    if cp_group is not None:
+        dist.all_reduce(reported, group=cp_group)
+    return loss, {"lm loss": reported, "per_token": (per_token.detach() * mask).clone()}
 
 
 def forward_step(
@@ -138,6 +153,8 @@ def forward_step(
 
     Use as ``functools.partial(forward_step, topology)`` for megatron-core's schedules.
     """
+    if topology is None:
+        topology = Topology.from_parallel_state()
     batch = get_batch_on_this_tp_rank(data_iterator, topology=topology)
     output = model(
         batch["tokens"],
@@ -146,4 +163,5 @@ def forward_step(
         labels=batch["labels"],
         packed_seq_params=batch["packed_seq_params"],
     )
-    return output, functools.partial(masked_mean_loss, batch["loss_mask"])
+    cp_group = topology.cp_group if topology.cp_size > 1 else None
+    return output, functools.partial(masked_mean_loss, batch["loss_mask"], cp_group=cp_group)
