@@ -26,6 +26,7 @@ uninitialized.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from megapack.checks import check_int
+from megapack.sft import merge_rows
 
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -268,8 +270,9 @@ class PackedBatch:
             batch: ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` of shape [b, s] and
                 ``cu_seqlens`` of shape [b, k] (or [k] when b == 1): each row's boundaries start
                 at 0, end at s, and are padded after that with -1 or with repeats of s. Optional
-                ``max_seqlen`` (int or tensor; at least the longest document). ``attention_mask``
-                and ``cu_seqlens_argmin`` are redundant with the boundaries and ignored.
+                ``max_seqlen`` (int or tensor; at least the longest document) and
+                ``cu_seqlens_padded`` [b, k'] (per-document padding: then ``cu_seqlens`` holds
+                the real lengths, see `megapack.sft`). Other keys are not read here.
 
         Returns:
             A validated PackedBatch of T = b * s tokens with row offsets added to the boundaries.
@@ -278,29 +281,56 @@ class PackedBatch:
             rows of s=4 with cu_seqlens ``[[0, 3, 4, -1], [0, 4, 4, 4]]`` merge into
             ``cu_seqlens [0, 3, 4, 8]``.
         """
-        from megapack.sft import merge_rows
-
-        return merge_rows(batch)
+        merged = merge_rows(batch)
+        dtypes = {"loss_mask": MASK_DTYPE}
+        return cls(
+            **{k: v.to(dtypes.get(k, TOKEN_DTYPE)) for k, v in merged.grid.items()},
+            cu_seqlens=merged.cu_seqlens,
+            cu_seqlens_padded=merged.cu_seqlens_padded,
+            max_seqlen=merged.max_seqlen,
+        ).validate()
 
 
 def make_packed_seq_params(
-    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None, max_seqlen: int
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    max_seqlen: int,
+    *,
+    cp_group: Any = None,
+    local_cp_size: int | None = None,
 ) -> PackedSeqParams:
-    """megatron-core ``PackedSeqParams`` in THD format with Python-int maxima."""
+    """megatron-core ``PackedSeqParams`` in THD format with Python-int maxima.
+
+    Fills every field the installed megatron-core defines, probing its dataclass so older and newer
+    releases both work: q and kv boundaries (real and padded), ``max_seqlen_q/kv``, and, where the
+    release has them, ``cp_group`` (context-parallel group; None without CP) and ``local_cp_size``
+    (Megatron's hybrid CP). A release without ``cp_group`` reads it from the model config instead,
+    so it is left out; any other value the release has no field for is a ValueError naming it.
+    """
     from megapack.quiet import quiet_megatron
 
     with quiet_megatron():  # lazy: importing megatron takes ~5 s
         from megatron.core.packed_seq_params import PackedSeqParams
 
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_kv=cu_seqlens,
-        cu_seqlens_q_padded=cu_seqlens_padded,
-        cu_seqlens_kv_padded=cu_seqlens_padded,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_kv=max_seqlen,
-    )
+    values: dict[str, Any] = {
+        "qkv_format": "thd",
+        "cu_seqlens_q": cu_seqlens,
+        "cu_seqlens_kv": cu_seqlens,
+        "cu_seqlens_q_padded": cu_seqlens_padded,
+        "cu_seqlens_kv_padded": cu_seqlens_padded,
+        "max_seqlen_q": max_seqlen,
+        "max_seqlen_kv": max_seqlen,
+        "cp_group": cp_group,
+        "local_cp_size": local_cp_size,
+    }
+    known = {f.name for f in dataclasses.fields(PackedSeqParams)}
+    missing = [k for k, v in values.items() if k not in known and v is not None and k != "cp_group"]
+    if missing:
+        raise ValueError(
+            f"this megatron-core's PackedSeqParams has no field {missing[0]!r} (given "
+            f"{values[missing[0]]!r}); upgrade megatron-core (local_cp_size needs hybrid CP support)"
+        )
+    return PackedSeqParams(**{k: v for k, v in values.items() if k in known})
 
 
 def _check_dtype(name: str, value: torch.Tensor, want: torch.dtype) -> None:

@@ -40,6 +40,10 @@ The patches, one by one (module: attribute, why):
   8. ``fusions.fused_softmax``: ``get_default_causal_mask`` -> CPU version. Only reached when the
      model is called with ``attention_mask=None``; the original builds the mask on "cuda".
      (``transformer.utils`` itself is not given the view: it holds ``torch.compile``d functions.)
+  9. ``models.common.embeddings.rotary_pos_embedding``: ``get_pos_emb_on_this_cp_rank`` -> CPU
+     version. With context parallelism and unpacked [s, b] batches, ``RotaryEmbedding`` keeps this
+     CP rank's zigzag chunks of the table; the original builds their index in pinned memory
+     and moves it to CUDA.
 
 RNG note: on CPU, megatron's "CUDA" RNG tracker and the CPU default generator become one
 generator. ``model_parallel_cuda_manual_seed(s)`` therefore seeds the CPU generator with ``s``
@@ -111,6 +115,13 @@ def _causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
 
 
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """Stands in for ``get_pos_emb_on_this_cp_rank``: chunks r and 2*cp-1-r of ``2*cp`` along ``seq_dim``."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    chunks = pos_emb.chunk(2 * cp_size, dim=seq_dim)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=seq_dim)
+
+
 def _torch_view() -> _Overlay:
     """torch as the patched megatron modules see it (see the module docstring)."""
     cuda = _Overlay(
@@ -135,6 +146,11 @@ def _patch_table() -> list[tuple[str, str, Any]]:
         ("utils", "torch", view),
         ("models.common.embeddings.rotary_pos_embedding", "torch", view),
         ("fusions.fused_softmax", "get_default_causal_mask", _causal_mask),
+        (
+            "models.common.embeddings.rotary_pos_embedding",
+            "get_pos_emb_on_this_cp_rank",
+            _pos_emb_on_this_cp_rank,
+        ),
     ]
 
 
