@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megapack.batch import PackedBatch
-from megapack.testing.grids import grid_topology
+from megapack.grid import grid_topology
 from megapack.topology import Stage
 from megapack.transfer import get_batch_on_this_tp_rank
 from megapack.wire import encode
