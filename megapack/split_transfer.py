@@ -5,7 +5,7 @@ On an NCCL TP group that frame would make every receiver copy the header device-
 host wait for the broadcast, so the forward pass could not be queued while the batch is in flight.
 Here instead, per call:
 
-    1. the 128-byte `Header` (status, shapes, ``max_seqlen``, payload bytes) is broadcast on the TP
+    1. the fixed-size `Header` (status, shapes, ``max_seqlen``, payload bytes) is broadcast on the TP
        group's CPU control group (`megapack.side_groups`), with megapack's timeout;
     2. on an error, the message follows on the control group as well (the source re-raises its
        own error, every peer raises `RemoteDataError`); on a clean stop nothing follows;

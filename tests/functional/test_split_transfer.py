@@ -3,7 +3,7 @@
 NCCL TP groups always take this path; here it is forced on gloo with a second gloo group as the
 control group (`megapack.testing.split_path`). Every rank records every collective it runs (op,
 group, bytes, device): TP peers must run the same sequence, the header on the control group with
-the 128-byte header and the payload on the TP group, and the fields must equal the one-frame
+the fixed-size header and the payload on the TP group, and the fields must equal the one-frame
 path's expectations (`test_tp_pp_grid`).
 """
 
@@ -19,6 +19,7 @@ from megapack import get_batch_on_this_tp_rank, lockstep
 from megapack.side_groups import control_group
 from megapack.testing.grids import Grid, grid_topology
 from megapack.testing.split_path import force_split_path
+from megapack.wire import HEADER_BYTES
 from tests.functional.test_tp_pp_grid import FailingIterator, _summary, check_rank, stream
 
 pytestmark = pytest.mark.distributed
@@ -72,10 +73,10 @@ def test_split_path_delivers_the_same_fields(dist_pool: Any, grid: Grid) -> None
     for r in results:
         check_rank(r, mbs, grid.tp)  # same fields as the one-frame path
         calls = r["log"]
-        for call in calls[:-1]:  # a batch: header (control group, 128 B), payload (TP group)
+        for call in calls[:-1]:  # a batch: header (control group), payload (TP group)
             assert [c[:2] for c in call] == [("broadcast", "control"), ("broadcast", "tp")], call
-            assert call[0][2] == 128 and call[1][2] > 0, call
-        assert calls[-1] == [("broadcast", "control", 128, "cpu")], calls[-1]  # the stop
+            assert call[0][2] == HEADER_BYTES and call[1][2] > 0, call
+        assert calls[-1] == [("broadcast", "control", HEADER_BYTES, "cpu")], calls[-1]  # stop
     for stage in range(grid.pp):  # every TP peer ran exactly the same collectives, same sizes
         logs = [r["log"] for r in results if r["pp_rank"] == stage]
         assert all(log == logs[0] for log in logs), stage
