@@ -9,8 +9,9 @@
   labels and position_ids, float32 loss_mask, int32 cu_seqlens): the floor for Megatron's bytes.
 * ``bare_payload``: one broadcast of exactly megapack's payload bytes: the floor for megapack's.
 * ``prefetch``: `megapack.prefetch` (depth 2) feeding a loop whose step is ``next()`` plus a
-  simulated compute step (a sleep: GPU compute leaves the host idle); reported as the time the
-  step spends blocked in ``next()`` and the step time over the compute time.
+  simulated compute step (a sleep of 5 ms per 4,096 tokens: GPU compute leaves the host idle);
+  reported as the time the step spends blocked in ``next()`` and the step time over the compute
+  time (the sleep's measured length), medians of the slowest rank per step.
 
 The first four alternate within every repeat (so drift hits all alike); each sample is the slowest
 rank's time for one call (the call is done when every rank has its batch), and the median over
@@ -101,22 +102,28 @@ def _slowest(seconds: list[float], group: Any) -> list[float]:
 
 def _prefetch_steps(
     topo: Topology, batch: PackedBatch, compute_s: float, repeats: int, warmup: int
-) -> tuple[float, float]:
-    """Median (blocked in next(), whole step) in ms, slowest rank, with prefetch and a sleep as compute."""
+) -> tuple[float, float, float]:
+    """Medians in ms (blocked in next(), whole step, compute) with prefetch, slowest rank per step.
+
+    The compute step is a sleep; its measured length (sleeps overshoot on a busy machine) is the
+    compute time the step is compared with.
+    """
     data = iter([batch] * (warmup + repeats)) if topo.is_source else None
-    blocked, steps = [], []
+    blocked, steps, computes = [], [], []
     with prefetch(data, topology=topo, depth=PREFETCH_DEPTH) as batches:
         for rep in range(warmup + repeats):
             start = time.perf_counter()
             next(batches)
-            waited = time.perf_counter() - start
+            got = time.perf_counter()
             time.sleep(compute_s)
-            step = time.perf_counter() - start
-            waited, step = _slowest([waited, step], topo.tp_group)  # the model's TP sync point
+            end = time.perf_counter()
+            # the model's TP sync point: every rank's step ends with the slowest
+            waited, step, compute = _slowest([got - start, end - start, end - got], topo.tp_group)
             if rep >= warmup:
                 blocked.append(waited * 1e3)
                 steps.append(step * 1e3)
-    return statistics.median(blocked), statistics.median(steps)
+                computes.append(compute * 1e3)
+    return statistics.median(blocked), statistics.median(steps), statistics.median(computes)
 
 
 def run_transfer(seq_lens: list[int], repeats: int, warmup: int) -> list[dict[str, Any]]:
@@ -158,8 +165,8 @@ def run_transfer(seq_lens: list[int], repeats: int, warmup: int) -> list[dict[st
                 (elapsed,) = _slowest([time.perf_counter() - start], topo.tp_group)
                 if rep >= warmup:
                     samples[method].append(elapsed * 1e3)
-        compute_ms = COMPUTE_MS_PER_4K * seq_len / 4096
-        blocked_ms, step_ms = _prefetch_steps(topo, batch, compute_ms / 1e3, repeats, warmup)
+        sleep_s = COMPUTE_MS_PER_4K * seq_len / 4096 / 1e3
+        blocked_ms, step_ms, compute_ms = _prefetch_steps(topo, batch, sleep_s, repeats, warmup)
         row: dict[str, Any] = {
             "tp": tp,
             "seq_len": seq_len,
