@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         RemoteDataError,
         RemoteRankError,
     )
+    from megapack.prefetcher import Prefetcher, prefetch
     from megapack.sync import check_in_sync, lockstep
     from megapack.topology import Stage, Topology
     from megapack.transfer import get_batch_on_this_tp_rank
@@ -30,6 +31,7 @@ _EXPORTS = {
     "CollectiveError": "megapack.errors",
     "DesyncError": "megapack.errors",
     "PackedBatch": "megapack.batch",
+    "Prefetcher": "megapack.prefetcher",
     "ProtocolError": "megapack.errors",
     "RemoteDataError": "megapack.errors",
     "RemoteRankError": "megapack.errors",
@@ -40,6 +42,7 @@ _EXPORTS = {
     "get_batch_on_this_tp_rank": "megapack.transfer",
     "lockstep": "megapack.sync",
     "long_operation": "megapack.comm",
+    "prefetch": "megapack.prefetcher",
 }
 """Public name -> the module defining it, imported on first access."""
 
@@ -48,6 +51,7 @@ __all__ = [
     "CollectiveError",
     "DesyncError",
     "PackedBatch",
+    "Prefetcher",
     "ProtocolError",
     "RemoteDataError",
     "RemoteRankError",
@@ -58,6 +62,7 @@ __all__ = [
     "get_batch_on_this_tp_rank",
     "lockstep",
     "long_operation",
+    "prefetch",
 ]
 __version__ = "0.1.0"
 

@@ -215,7 +215,7 @@ class _Runner:
                 return []
             return list(fn(*args))
         if self.pool is None:
-            from megapack.testing.pool import WorkerPool
+            from megapack.launch import WorkerPool
 
             self.pool = WorkerPool(
                 size=self.size,

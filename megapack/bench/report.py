@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
-TARGETS = {
-    "transfer_vs_bare": 1.2,  # megapack latency <= 1.2x one bare broadcast of the same bytes
-    "transfer_vs_per_tensor": 0.3,  # megapack latency <= 0.3x Megatron-style per-tensor broadcasts
+from megapack.bench.transfer import JSON_KEYS as TRANSFER_KEYS
+from megapack.bench.transfer import table as transfer_table
+
+TARGETS = {  # the transfer section's targets live in megapack.bench.transfer.TARGETS
     "speedup_vs_theory": 0.9,  # measured packed/padded speedup >= 0.9x the theoretical slot ratio
     "best_openchat_efficiency": 0.9962,
 }
@@ -71,7 +72,7 @@ def verdict(value: float, target: float, *, at_most: bool) -> str:
 def markdown(results: dict[str, Any]) -> str:
     """The README's benchmark tables, same columns and formats, with a met / not met verdict per target."""
     sections = [
-        ("Transfer: one micro-batch to every TP rank (median ms, slowest rank)", transfer_table),
+        ("Transfer: one micro-batch to every TP rank (median ms, slowest rank)", _transfer),
         ("Throughput: real tokens/s, tiny megatron-core GPT", throughput_table),
         ("Packing: efficiency against the lower bound", packing_table),
     ]
@@ -88,19 +89,8 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def transfer_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
-    bare, per_tensor = TARGETS["transfer_vs_bare"], TARGETS["transfer_vs_per_tensor"]
-    body = [
-        [
-            f"{r['tp']}", f"{r['seq_len']:,}", f"{r['megapack_ms']:.3f}", f"{r['per_tensor_ms']:.3f}",
-            f"{r['bare_ms']:.3f}", verdict(r["megapack_ms"] / r["bare_ms"], bare, at_most=True),
-            verdict(r["megapack_ms"] / r["per_tensor_ms"], per_tensor, at_most=True),
-        ]
-        for r in rows
-    ]  # fmt: skip
-    head = ["tp", "seq_len", "megapack", "per-tensor", "bare",
-            f"megapack / bare (target <= {bare})", f"megapack / per-tensor (target <= {per_tensor})"]  # fmt: skip
-    return _table(head, body)
+def _transfer(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
+    return transfer_table(rows)  # the transfer section's own tables and verdicts
 
 
 def throughput_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
@@ -158,17 +148,9 @@ def packing_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
 
 
 def to_json(results: dict[str, Any]) -> dict[str, Any]:
-    """``{"env", "transfer": [{tp, seq_len, megapack_ms, per_tensor_ms, bare_ms}], "throughput": [...], "packing": [...]}``."""
+    """``{"env", "transfer": [{tp, seq_len, megapack_ms, ..., bytes_per_stage}], "throughput": [...], "packing": [...]}``."""
     keep = {
-        "transfer": (
-            "tp",
-            "seq_len",
-            "megapack_ms",
-            "per_tensor_ms",
-            "bare_ms",
-            "payload_bytes",
-            "documents",
-        ),
+        "transfer": TRANSFER_KEYS,
         "throughput": (
             "dataset",
             "mode",
@@ -231,7 +213,12 @@ def plots(results: dict[str, Any], directory: str) -> list[Path]:
             rows = sorted(
                 (r for r in results["transfer"] if r["seq_len"] == seq_len), key=lambda r: r["tp"]
             )
-            for key, style in (("megapack_ms", "-o"), ("per_tensor_ms", "--s"), ("bare_ms", ":^")):
+            for key, style in (
+                ("megapack_ms", "-o"),
+                ("per_tensor_ms", "--s"),
+                ("bare_megatron_ms", ":^"),
+                ("bare_payload_ms", ":v"),
+            ):
                 ax.plot(
                     [r["tp"] for r in rows],
                     [r[key] for r in rows],

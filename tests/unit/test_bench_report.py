@@ -20,17 +20,6 @@ def test_verdicts() -> None:
     assert verdict(0.89, 0.9, at_most=False) == "0.89, not met"
 
 
-def test_transfer_table_is_the_readme_table() -> None:
-    row = {"tp": 2, "seq_len": 4096, "megapack_ms": 0.507, "per_tensor_ms": 1.403, "bare_ms": 0.217}
-    assert markdown(results(transfer=[row])) == (
-        "## Transfer: one micro-batch to every TP rank (median ms, slowest rank)\n\n"
-        "| tp | seq_len | megapack | per-tensor | bare | megapack / bare (target <= 1.2) "
-        "| megapack / per-tensor (target <= 0.3) |\n"
-        "| --- | --- | --- | --- | --- | --- | --- |\n"
-        "| 2 | 4,096 | 0.507 | 1.403 | 0.217 | 2.34, not met | 0.36, not met |\n"
-    )
-
-
 def test_throughput_table_and_the_note_when_padding_needs_fewer_slots() -> None:
     rows = [
         {"dataset": "openchat", "mode": "packed", "tokens_per_s": 16137.2, "efficiency": 0.870,
