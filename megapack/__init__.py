@@ -7,7 +7,12 @@ imports torch, and megatron-core (~5 s to import) is loaded only when a function
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
+
+logging.getLogger("megapack").addHandler(
+    logging.NullHandler()
+)  # the application configures logging
 
 if TYPE_CHECKING:
     from megapack.align import align_by_kind

@@ -21,6 +21,7 @@ slices), the same in memory and on disk: `save` writes them, `load` memory-maps 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,8 @@ from megapack.batch import PackedBatch
 from megapack.checks import check_int
 from megapack.data.document import Document
 from megapack.data.split import split_document
+
+log = logging.getLogger(__name__)  # library code logs; the CLI prints
 
 if TYPE_CHECKING:
     from megapack.packing.cost import CostModel
@@ -141,6 +144,11 @@ class PackedDataset:
             "split_documents": split_documents, "truncated_documents": packing.num_truncated_docs,
             "dropped_documents": packing.num_dropped_docs,
         }  # fmt: skip
+        log.info(
+            "packed %d documents (%d split, %d truncated, %d dropped) into %d rows of %d tokens, "
+            "%.2f%% efficiency", input_documents, split_documents, packing.num_truncated_docs,
+            packing.num_dropped_docs, packing.num_bins, seq_len, 100 * self.meta["efficiency"],
+        )  # fmt: skip
         self._configure(
             rows_per_micro_batch, dp_rank, dp_size, pad_token_id, balance, micro_batches, cost
         )

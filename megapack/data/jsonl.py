@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 from collections import Counter
 from collections.abc import Generator, Iterator
@@ -35,6 +36,8 @@ from megapack.data.chat import ChatTemplate
 from megapack.data.document import Document
 from megapack.data.records import FORMATS, BadLineError, Format, record_to_document
 from megapack.data.tokenizers import ByteTokenizer, Tokenizer
+
+log = logging.getLogger(__name__)  # library code logs; the CLI prints
 
 MAX_QUOTED_ERRORS = 5
 
@@ -136,6 +139,7 @@ class JsonlReader(Iterator[Document]):
                         raise
                     self._counts["skipped"] += 1
                     self._problems[e.problem] += 1
+                    log.debug("skipped %s", e)
                     if len(self._errors) < MAX_QUOTED_ERRORS:
                         self._errors.append(str(e))
                     continue
