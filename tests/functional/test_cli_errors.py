@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megapack.cli import main, plural
+from megapack.cli import main
+from megapack.cli_report import plural
 
 ROOT = Path(__file__).resolve().parents[2]
 Capture = pytest.CaptureFixture[str]
@@ -218,3 +219,12 @@ def test_demo_with_a_grid_that_does_not_fit() -> None:
         "(or bash scripts/demo.sh)"
     ]
     assert "initialize_model_parallel" not in done.stderr  # stopped before megatron was reached
+
+
+def test_cli_report_docstring_example() -> None:
+    import doctest
+
+    from megapack import cli_report
+
+    result = doctest.testmod(cli_report)
+    assert result.failed == 0 and result.attempted > 0
