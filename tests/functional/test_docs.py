@@ -402,6 +402,15 @@ def check_pytest(cmd: str, world_dir: Path, capsys: pytest.CaptureFixture[str]) 
         assert key in names or key in {g.id for g in GRIDS}, f"`{cmd}`: -k {key} selects nothing"
 
 
+def run_module_help(cmd: str, world_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [*shlex.split(cmd)[1:], "--help"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and "usage: megapack" in done.stdout, done.stderr[-1500:]
+
+
 def check_tool(cmd: str, world_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tool = cmd.split()[0]
     assert shutil.which(tool) or importlib.util.find_spec(tool), f"`{cmd}`: {tool} not installed"
@@ -413,6 +422,7 @@ COMMANDS: list[tuple[str, Callable[[str, Path, pytest.CaptureFixture[str]], None
     (r"^torchrun ", check_torchrun, "parsed only: test_examples.py runs the examples under torchrun"),
     (r"^([A-Z_]+=\S+ )*bash scripts/", check_script, "checked only: they install packages and run the suite or the full bench"),
     (r"^python -m pytest\b", check_pytest, "checked only: it is this suite"),
+    (r"^python -m megapack$", run_module_help, "run with --help (the commands are checked above)"),
     (r"^(ruff|mypy)\b", check_tool, "checked only: scripts/test.sh runs them"),
 ]  # fmt: skip
 """(pattern, what exercises it, why not more) for every command the docs show."""
