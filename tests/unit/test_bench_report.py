@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megapack.bench.report import markdown, verdict
+from megapack.bench.report import markdown, packing_table, throughput_table, verdict
 
 SETTINGS = {"quick": False, "best_time_limit_s": 10.0}
 
@@ -63,3 +63,18 @@ def test_quick_runs_say_their_verdicts_are_indicative() -> None:
     quick = {**results(), "settings": {**SETTINGS, "quick": True}}
     assert markdown(quick).startswith("--quick: every size is small")
     assert "--quick" not in markdown(results())
+
+
+def test_the_readme_shows_the_tables_the_bench_prints() -> None:
+    """The README's throughput and packing tables have exactly the bench's columns."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    one = {"dataset": "d", "mode": "packed", "tokens_per_s": 1.0, "efficiency": 1.0,
+           "algorithm": "bfd", "rows": 1, "seconds": 0.1}  # fmt: skip
+    for table in (
+        throughput_table([one], SETTINGS),
+        packing_table([{**one, "dataset": "openchat"}], SETTINGS),
+    ):
+        header = table.splitlines()[0]
+        assert header in readme, f"README.md lacks the bench's table header {header}"
