@@ -70,24 +70,27 @@ def cmd_pack(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     start = time.perf_counter()
     dataset = PackedDataset(
-        docs, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, algorithm=args.algorithm,
+        docs, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, cp_size=args.cp_size, algorithm=args.algorithm,
         long_docs=args.long_docs, seed=args.seed, pad_token_id=tokenizer.pad_id,
     )  # fmt: skip
     out = dataset.save(args.out)
     m = dataset.meta
     print(
         f"packed {m['documents']:,} documents into {m['rows']:,} rows of {m['seq_len']:,} tokens "
-        f"({m['efficiency']:.2%} efficiency, lower bound {m['lower_bound']:,} rows, {args.algorithm}) "
+        f"({m['efficiency']:.2%} efficiency, {m['padding_tokens']:,} alignment padding tokens, lower bound "
+        f"{m['lower_bound']:,} rows, {args.algorithm}) "
         f"in {time.perf_counter() - start:.1f} s -> {out}"
     )
     return 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    from megapack.cp import cp_pad_multiple
     from megapack.packing import plan
 
     docs, note = _read(args)
     lengths = np.array([len(d) for d in docs], dtype=np.int64)
+    multiple = cp_pad_multiple(args.cp_size, args.pad_to_multiple_of)
     if len(lengths) == 0:
         print(f"{args.input}: no documents", file=sys.stderr)
         return 1
@@ -103,29 +106,38 @@ def cmd_stats(args: argparse.Namespace) -> int:
     counts, _ = np.histogram(lengths, bins=np.append(edges, lengths.max() + 1))
     for lo, hi, n in zip(edges, np.append(edges[1:], lengths.max() + 1), counts, strict=True):
         print(f"  {lo:>7,}-{hi - 1:<7,} {n:>8,} {'#' * int(40 * n / max(counts.max(), 1))}")
+    real = int(lengths.sum())
+    planned = -(-lengths // multiple) * multiple  # rows are planned on padded lengths
+    if multiple > 1:
+        print(f"\ndocuments padded to multiples of {multiple} (cp_size={args.cp_size}, pad multiple "
+              f"{args.pad_to_multiple_of}): +{int(planned.sum()) - real:,} tokens ({int(planned.sum()) / real - 1:.2%}); "
+              "efficiency below counts real tokens only")  # fmt: skip
     print(f"\npacking at seq_len {args.seq_len:,}")
     print("| algorithm | rows | efficiency | seconds |\n| --- | --- | --- | --- |")
     results = {}
     for algorithm in ("next_fit", "first_fit", "ffd", "bfd", "best"):
         start = time.perf_counter()
-        result = plan(lengths, args.seq_len, algorithm=algorithm, time_limit_s=args.time_limit)
+        result = plan(planned, args.seq_len, algorithm=algorithm, time_limit_s=args.time_limit)
         results[algorithm] = result
         figures[f"rows_{algorithm}"] = result.num_bins
-        figures[f"efficiency_{algorithm}"] = result.efficiency
+        figures[f"efficiency_{algorithm}"] = efficiency = _real_efficiency(
+            result, real, planned, args.seq_len
+        )
         print(
-            f"| {algorithm} | {result.num_bins:,} | {result.efficiency:.2%} | {time.perf_counter() - start:.2f} |"
+            f"| {algorithm} | {result.num_bins:,} | {efficiency:.2%} "
+            f"| {time.perf_counter() - start:.2f} |"
         )
     bound = results["bfd"].lower_bound
     figures["lower_bound"] = bound
     print(
-        f"| lower bound | {bound:,} | <= {lengths.clip(max=args.seq_len).sum() / (bound * args.seq_len):.2%} | |"
+        f"| lower bound | {bound:,} | <= {min(real, int(planned.clip(max=args.seq_len).sum())) / (bound * args.seq_len):.2%} | |"
     )
     long = lengths > args.seq_len
     print(
         f"\n{int(long.sum()):,} documents longer than {args.seq_len:,} tokens ({int((lengths[long] - args.seq_len).sum()):,} tokens beyond)"
     )
     for policy in ("split", "truncate", "drop"):
-        r = plan(lengths, args.seq_len, algorithm="bfd", long_docs=policy)
+        r = plan(planned, args.seq_len, algorithm="bfd", long_docs=policy)
         print(
             f"  {policy:>8}: {r.truncated_tokens + r.dropped_tokens:,} tokens lost, {r.num_bins:,} rows"
         )
@@ -197,6 +209,14 @@ def _balance_report(args: argparse.Namespace, lengths: np.ndarray) -> dict[str, 
     return r
 
 
+def _real_efficiency(result: Any, real: int, planned: np.ndarray, seq_len: int) -> float:
+    """Real tokens placed / (rows x seq_len): alignment padding is not counted as packed."""
+    padding = (
+        int(planned.sum()) - real
+    )  # every document is placed ("split"), so all its padding too
+    return (result.packed_tokens - padding) / max(result.num_bins * seq_len, 1)
+
+
 def _plot(lengths: np.ndarray, seq_len: int, path: str) -> None:
     import matplotlib
 
@@ -236,6 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="skip and count bad JSONL lines instead of stopping",
         )
+        p.add_argument(
+            "--cp-size", type=int, default=1,
+            help="context-parallel size: pad documents to multiples of 2 x cp (with --pad-multiple: their lcm)",
+        )  # fmt: skip
+        p.add_argument(
+            "--pad-multiple", "--pad-to-multiple-of", dest="pad_to_multiple_of", type=int, default=1,
+            help="pad every document to a multiple of this (e.g. 8/16 for FP8)",
+        )  # fmt: skip
 
     pack = sub.add_parser("pack", help="pack documents into a dataset PackedDataset.load reads")
     data_args(pack)
@@ -246,7 +274,6 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument(
         "--long-docs", default="split", choices=["split", "truncate", "drop", "error"]
     )
-    pack.add_argument("--pad-to-multiple-of", type=int, default=1)
     pack.add_argument("--seed", type=int, default=0)
     pack.set_defaults(func=cmd_pack)
 

@@ -4,7 +4,8 @@ Sections (each a module here): `transfer` (get_batch_on_this_tp_rank vs Megatron
 broadcasts vs one bare broadcast), `throughput` (real tokens/s packed vs padded, tiny megatron-core
 GPT), `packing` (every algorithm's efficiency against the lower bound, and planning time) and
 `balance` (token plan vs compute plan across data-parallel ranks: imbalance, efficiency, and the
-slowest rank's measured step time with the tiny GPT on CPU).
+slowest rank's measured step time with the tiny GPT on CPU) and `cp` (the padding each
+context-parallel layout costs on the real lengths at cp 2, 4, 8).
 
 Launched plainly, it starts its own worker processes (gloo on CPU); under ``torchrun`` it uses the
 launched ranks (NCCL when CUDA is present). Output: a markdown report on stdout, ``--json PATH``
@@ -41,7 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="JSON list of real document lengths (default: ../shared/data/openchat_v1_lengths.json)",
     )
     p.add_argument(
-        "--skip", nargs="*", default=[], choices=["transfer", "throughput", "packing", "balance"]
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["transfer", "throughput", "packing", "balance", "cp"],
     )
 
 
@@ -85,6 +89,7 @@ def main(args: argparse.Namespace) -> int:
         "packing": [],
         "balance": [],
         "balance_timing": [],
+        "cp": [],
     }
     if launched:
         dist.init_process_group("nccl" if _cuda() else "gloo")
@@ -134,15 +139,26 @@ def main(args: argparse.Namespace) -> int:
 
         _step("balance", rank0)
         results["balance"] = run_balance(lengths, cfg["balance_long_tail_docs"])
+    if rank0 and "cp" not in args.skip:
+        from megapack.bench.cp import run_cp_padding
+        from megapack.bench.datasets import OPENCHAT_CAP
+
+        _step("cp padding", rank0)
+        results["cp"] = run_cp_padding(lengths, OPENCHAT_CAP)
     if rank0:
         from megapack.bench.balance import markdown as balance_markdown
 
         print(report.markdown(results), flush=True)
         print(balance_markdown(results["balance"], results["balance_timing"]) + "\n", flush=True)
+        if results["cp"]:
+            from megapack.bench.cp import markdown as cp_markdown
+
+            print(cp_markdown(results["cp"]), flush=True)
         if args.json:
             out = report.to_json(results)
             out["balance"], out["balance_timing"] = results["balance"], results["balance_timing"]
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            out = out | {"cp": results["cp"]}
             Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
             print(f"JSON -> {args.json}")
         if args.plots:
@@ -172,7 +188,7 @@ class _Runner:
                 return []
             return list(fn(*args))
         if self.pool is None:
-            from megapack.testing.pool import WorkerPool
+            from megapack.launch import WorkerPool
 
             self.pool = WorkerPool(
                 size=self.size,

@@ -46,7 +46,9 @@ class PackedDataset:
         documents: the corpus (e.g. ``list(megapack.data.read_documents("train.jsonl"))``).
         seq_len: tokens per row; a multiple of ``pad_to_multiple_of``.
         rows_per_micro_batch: rows concatenated into one THD micro-batch (Megatron's micro-batch size).
-        pad_to_multiple_of: pad every document to a multiple of this (e.g. 2 x context-parallel size).
+        pad_to_multiple_of: pad every document to a multiple of this (e.g. 8/16 for FP8 kernels).
+        cp_size: context-parallel size: documents are padded to lcm(pad_to_multiple_of, 2 * cp_size)
+            as the "document" CP layout needs, and rows are planned on those padded lengths.
         algorithm: `megapack.packing.plan` algorithm ("bfd", "ffd", "first_fit", "next_fit", "best").
         long_docs: documents longer than ``seq_len``: "split", "truncate", "drop" or "error".
         seed: shuffles rows per epoch (with ``epoch``) and seeds the packer.
@@ -70,6 +72,7 @@ class PackedDataset:
         *,
         rows_per_micro_batch: int = 1,
         pad_to_multiple_of: int = 1,
+        cp_size: int = 1,
         algorithm: str = "bfd",
         long_docs: str = "split",
         seed: int = 0,
@@ -80,13 +83,20 @@ class PackedDataset:
         micro_batches: int = 1,
         cost: CostModel | None = None,
     ) -> None:
+        from megapack.cp import cp_pad_multiple
         from megapack.packing import plan
 
-        _check_positive(seq_len=seq_len, pad_to_multiple_of=pad_to_multiple_of)
-        if seq_len % pad_to_multiple_of:
-            raise ValueError(
-                f"seq_len={seq_len} must be a multiple of pad_to_multiple_of={pad_to_multiple_of}"
+        _check_positive(seq_len=seq_len, pad_to_multiple_of=pad_to_multiple_of, cp_size=cp_size)
+        multiple = cp_pad_multiple(cp_size, pad_to_multiple_of)
+        if seq_len % multiple:
+            why = (
+                f"pad_to_multiple_of={multiple}"
+                if cp_size == 1
+                else f"{multiple} (pad_to_multiple_of={pad_to_multiple_of}, cp_size={cp_size}: "
+                "lcm(pad_to_multiple_of, 2 * cp_size))"
             )
+            raise ValueError(f"seq_len={seq_len} must be a multiple of {why}")
+        pad_to_multiple_of = multiple
         if long_docs not in LONG_DOCS:
             raise ValueError(f"long_docs={long_docs!r}; choose one of {LONG_DOCS}")
         docs = list(documents)
@@ -107,6 +117,7 @@ class PackedDataset:
         slices[:, 2] = np.minimum(
             slices[:, 2], lengths[slices[:, 0]]
         )  # alignment padding holds no tokens
+        real_tokens = int((slices[:, 2] - slices[:, 1]).clip(min=0).sum())
         self._arrays = {
             "tokens": np.concatenate([d.tokens for d in docs]),
             "loss_mask": np.concatenate([d.loss_mask for d in docs]),
@@ -117,7 +128,9 @@ class PackedDataset:
         self.meta: dict[str, Any] = {
             "version": FORMAT_VERSION, "seq_len": seq_len, "pad_to_multiple_of": pad_to_multiple_of,
             "algorithm": algorithm, "long_docs": long_docs, "seed": seed, "documents": len(docs),
-            "rows": packing.num_bins, "efficiency": packing.efficiency, "lower_bound": packing.lower_bound,
+            "cp_size": cp_size, "rows": packing.num_bins, "lower_bound": packing.lower_bound,
+            "efficiency": real_tokens / max(packing.num_bins * seq_len, 1),  # alignment padding is waste
+            "padding_tokens": packing.packed_tokens - real_tokens,
             "truncated_tokens": packing.truncated_tokens, "dropped_tokens": packing.dropped_tokens,
             "pad_token_id": pad_token_id,
         }  # fmt: skip
