@@ -27,7 +27,6 @@ uninitialized.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -121,19 +120,20 @@ class PackedBatch:
                 raise ValueError(
                     f"PackedBatch.cu_seqlens_padded ends at {padded[-1]} but the buffer has T={total} tokens"
                 )
-            for i in range(len(real) - 1):
-                if padded[i + 1] - padded[i] < real[i + 1] - real[i]:
-                    raise ValueError(
-                        f"PackedBatch.cu_seqlens_padded segment {i} holds {padded[i + 1] - padded[i]} "
-                        f"positions but document {i} has {real[i + 1] - real[i]} tokens"
-                    )
+            short = np.flatnonzero(np.diff(padded) < np.diff(real))
+            if len(short):
+                i = int(short[0])
+                raise ValueError(
+                    f"PackedBatch.cu_seqlens_padded segment {i} holds {padded[i + 1] - padded[i]} "
+                    f"positions but document {i} has {real[i + 1] - real[i]} tokens"
+                )
             segments = padded
         if not isinstance(self.max_seqlen, int) or isinstance(self.max_seqlen, bool):
             raise TypeError(
                 f"PackedBatch.max_seqlen must be a Python int, got {type(self.max_seqlen).__name__} "
                 f"({self.max_seqlen!r}); use int(...)"
             )
-        longest = max(b - a for a, b in itertools.pairwise(segments))
+        longest = int(np.diff(segments).max())
         if self.max_seqlen < longest:
             raise ValueError(
                 f"PackedBatch.max_seqlen={self.max_seqlen} is below the longest segment ({longest})"
@@ -338,20 +338,22 @@ def _check_dtype(name: str, value: torch.Tensor, want: torch.dtype) -> None:
         raise TypeError(f"{name} has dtype {value.dtype}; expected {want}")
 
 
-def _check_cu(name: str, cu: Any) -> list[int]:
+def _check_cu(name: str, cu: Any) -> np.ndarray:
+    """The boundaries as int64 numpy (one copy to the host for a CUDA tensor), checked."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dim() != 1:
         raise ValueError(f"{name} has shape {tuple(cu.shape)}; expected 1-D [n + 1]")
     _check_dtype(name, cu, CU_DTYPE)
-    values = cu.tolist()
+    values = cu.cpu().numpy().astype(np.int64)
     if len(values) < 2 or values[0] != 0:
-        raise ValueError(f"{name} must start at 0 and hold >= 2 entries, got {values[:8]}")
-    for i in range(1, len(values)):
-        if values[i] <= values[i - 1]:
-            raise ValueError(
-                f"{name} is not strictly increasing: {values[i]} follows {values[i - 1]} at index {i}"
-            )
+        raise ValueError(f"{name} must start at 0 and hold >= 2 entries, got {values[:8].tolist()}")
+    bad = np.flatnonzero(values[1:] <= values[:-1])
+    if len(bad):
+        i = int(bad[0]) + 1
+        raise ValueError(
+            f"{name} is not strictly increasing: {values[i]} follows {values[i - 1]} at index {i}"
+        )
     return values
 
 

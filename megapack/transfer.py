@@ -17,8 +17,10 @@ With context parallelism the source first cuts the normalized batch to its CP ra
 
 A failure on the source while fetching or validating is sent in place of a batch: the source
 re-raises its own error and every peer raises `RemoteDataError` within one collective's latency.
-Receivers make one device-to-host copy per call on NCCL (the header). Collectives wait at most
-the megapack timeout (`megapack.comm`) and then raise `CollectiveError`.
+On NCCL groups the header instead travels on a CPU gloo control group and the payload on
+the device stream (`megapack.split_transfer`): no host wait, no device-to-host copy.
+Collectives on the host wait at most the megapack timeout (`megapack.comm`) and then raise
+`CollectiveError`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from megapack.cp import CP_LAYOUTS, CpLayout
 from megapack.cp_share import take_cp_share
 from megapack.errors import ProtocolError, RemoteDataError
 from megapack.inputs import Layout, normalize
+from megapack.side_groups import control_group
+from megapack.split_transfer import receive_split, send_split, split_control
 from megapack.sync import check_in_sync, debug_sync_enabled
 from megapack.topology import Stage, Topology
 from megapack.wire import (
@@ -134,7 +138,7 @@ def get_batch_on_this_tp_rank(
         check_in_sync(
             "megapack.get_batch_on_this_tp_rank",
             state.calls - 1,
-            group=topo.tp_group,
+            group=control_group(topo.tp_group),
             timeout=timeout,
         )
     if topo.is_source:
@@ -181,17 +185,10 @@ def _send(
             [message.to(topo.device)],
             exc,
         )
-    capacity = state.capacity
-    inline = header.nbytes <= capacity
-    slack = capacity - header.nbytes if inline else capacity
-    frame = join([header.to_tensor(topo.device).view(torch.uint8), *(chunks if inline else []),
-                  torch.zeros(slack, dtype=torch.uint8, device=topo.device)], topo.device)  # fmt: skip
-    _broadcast(frame, topo, timeout, "frame")
-    payload = (
-        frame[HEADER_BYTES : HEADER_BYTES + header.nbytes] if inline else join(chunks, topo.device)
-    )
-    if not inline:
-        _broadcast(payload, topo, timeout, "payload")
+    if (control := split_control(topo)) is not None:
+        payload = send_split(header, chunks, topo, control, timeout)
+    else:
+        payload = _send_frame(header, chunks, topo, state, timeout)
     _settle(state, header)
     if header.status == Status.STOP:
         raise StopIteration
@@ -244,14 +241,10 @@ def _without_iterator(topo: Topology, options: _SourceOptions) -> Header:
 
 
 def _receive(topo: Topology, state: _GroupState, timeout: float | None) -> dict[str, Any]:
-    frame = torch.empty(HEADER_BYTES + state.capacity, dtype=torch.uint8, device=topo.device)
-    _broadcast(frame, topo, timeout, "frame")
-    header = Header.from_tensor(frame[:HEADER_BYTES].view(torch.int64))
-    if header.nbytes <= state.capacity:
-        payload = frame[HEADER_BYTES : HEADER_BYTES + header.nbytes]
+    if (control := split_control(topo)) is not None:
+        header, payload = receive_split(topo, control, timeout)
     else:
-        payload = torch.empty(header.nbytes, dtype=torch.uint8, device=topo.device)
-        _broadcast(payload, topo, timeout, "payload")
+        header, payload = _receive_frame(topo, state, timeout)
     _settle(state, header)
     if header.status == Status.STOP:
         raise StopIteration
@@ -263,6 +256,42 @@ def _receive(topo: Topology, state: _GroupState, timeout: float | None) -> dict[
             f"is on stage {topo.stage.value!r}: TP peers must share a pipeline stage (check the Topology)"
         )
     return decode(header, payload, cp_group=topo.cp_group)
+
+
+def _send_frame(
+    header: Header,
+    chunks: list[torch.Tensor],
+    topo: Topology,
+    state: _GroupState,
+    timeout: float | None,
+) -> torch.Tensor:
+    """One frame (header + inline payload + slack); the payload follows when it outgrew the capacity."""
+    capacity = state.capacity
+    inline = header.nbytes <= capacity
+    slack = capacity - header.nbytes if inline else capacity
+    frame = join([header.to_tensor(topo.device).view(torch.uint8), *(chunks if inline else []),
+                  torch.zeros(slack, dtype=torch.uint8, device=topo.device)], topo.device)  # fmt: skip
+    _broadcast(frame, topo, timeout, "frame")
+    payload = (
+        frame[HEADER_BYTES : HEADER_BYTES + header.nbytes] if inline else join(chunks, topo.device)
+    )
+    if not inline:
+        _broadcast(payload, topo, timeout, "payload")
+    return payload
+
+
+def _receive_frame(
+    topo: Topology, state: _GroupState, timeout: float | None
+) -> tuple[Header, torch.Tensor]:
+    frame = torch.empty(HEADER_BYTES + state.capacity, dtype=torch.uint8, device=topo.device)
+    _broadcast(frame, topo, timeout, "frame")
+    header = Header.from_tensor(frame[:HEADER_BYTES].view(torch.int64))
+    if header.nbytes <= state.capacity:
+        payload = frame[HEADER_BYTES : HEADER_BYTES + header.nbytes]
+    else:
+        payload = torch.empty(header.nbytes, dtype=torch.uint8, device=topo.device)
+        _broadcast(payload, topo, timeout, "payload")
+    return header, payload
 
 
 def _settle(state: _GroupState, header: Header) -> None:
