@@ -6,9 +6,12 @@ the receivers (`decode`) both derive everything from it, so adding a field is on
 is how middle stages ended up with no ``cu_seqlens`` at all (Megatron-LM #4092, Megatron-Bridge #2952).
 
 A message is a fixed 24 x int64 `Header` (status, stage, layout, shapes, ``max_seqlen``,
-``local_cp_size``, a bitmask of the fields present, payload bytes) and a flat uint8 payload with the stage's fields, each
-8-byte aligned. `decode` slices the payload into views, so every TP rank, the source included,
+``local_cp_size``, a bitmask of the fields present, payload bytes) and a flat uint8 payload with
+the stage's fields, each 8-byte aligned. `decode` slices the payload into views, so every TP rank, the source included,
 returns identical values, shapes, dtypes and None-ness. Metadata is O(documents), never O(seq_len).
+
+What a data iterator may yield is validated into named fields by `megapack.inputs.normalize`; with
+context parallelism `megapack.cp_share` cuts them to a CP rank's share before `encode_fields`.
 """
 
 from __future__ import annotations
@@ -56,9 +59,8 @@ FIELDS: tuple[Field, ...] = (
     Field("attention_mask", torch.bool, ALL_STAGES, "mask", cp_dim=2),  # [b, 1, s_q, s_kv]: queries
     Field("cu_seqlens", CU_DTYPE, ALL_STAGES, "cu"),
     Field("cu_seqlens_padded", CU_DTYPE, ALL_STAGES, "cu_padded"),
-    Field(
-        "dataset_id", TOKEN_DTYPE, ALL_STAGES, "samples"
-    ),  # BlendedDataset's source of each sample
+    # BlendedDataset's source of each sample, [b]:
+    Field("dataset_id", TOKEN_DTYPE, ALL_STAGES, "samples"),
 )
 SCALAR_KEYS = ("max_seqlen", "local_cp_size")
 """Python ints every stage gets from the header (None when the batch has none)."""
