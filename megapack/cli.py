@@ -70,27 +70,35 @@ def cmd_pack(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     start = time.perf_counter()
     dataset = PackedDataset(
-        docs, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, algorithm=args.algorithm,
+        docs, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, cp_size=args.cp_size, algorithm=args.algorithm,
         long_docs=args.long_docs, seed=args.seed, pad_token_id=tokenizer.pad_id,
     )  # fmt: skip
     out = dataset.save(args.out)
     m = dataset.meta
     print(
         f"packed {m['documents']:,} documents into {m['rows']:,} rows of {m['seq_len']:,} tokens "
-        f"({m['efficiency']:.2%} efficiency, lower bound {m['lower_bound']:,} rows, {args.algorithm}) "
+        f"({m['efficiency']:.2%} efficiency, {m['padding_tokens']:,} alignment padding tokens, lower bound "
+        f"{m['lower_bound']:,} rows, {args.algorithm}) "
         f"in {time.perf_counter() - start:.1f} s -> {out}"
     )
     return 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    from megapack.cp import cp_pad_multiple
     from megapack.packing import plan
 
     docs, note = _read(args)
     lengths = np.array([len(d) for d in docs], dtype=np.int64)
+    multiple = cp_pad_multiple(args.cp_size, args.pad_to_multiple_of)
     if len(lengths) == 0:
         print(f"{args.input}: no documents", file=sys.stderr)
         return 1
+    figures: dict[str, Any] = {
+        "input": args.input, "seq_len": args.seq_len, "documents": len(lengths),
+        "tokens": int(lengths.sum()), "length_min": int(lengths.min()),
+        "length_median": float(np.median(lengths)), "length_max": int(lengths.max()),
+    }  # fmt: skip
     print(f"{len(lengths):,} documents, {int(lengths.sum()):,} tokens; length min {lengths.min()}, "
           f"median {int(np.median(lengths))}, mean {lengths.mean():.1f}, max {lengths.max()}" + (f"; {note}" if note else ""))  # fmt: skip
     print("\nlength histogram")
@@ -98,33 +106,115 @@ def cmd_stats(args: argparse.Namespace) -> int:
     counts, _ = np.histogram(lengths, bins=np.append(edges, lengths.max() + 1))
     for lo, hi, n in zip(edges, np.append(edges[1:], lengths.max() + 1), counts, strict=True):
         print(f"  {lo:>7,}-{hi - 1:<7,} {n:>8,} {'#' * int(40 * n / max(counts.max(), 1))}")
+    real = int(lengths.sum())
+    planned = -(-lengths // multiple) * multiple  # rows are planned on padded lengths
+    if multiple > 1:
+        print(f"\ndocuments padded to multiples of {multiple} (cp_size={args.cp_size}, pad multiple "
+              f"{args.pad_to_multiple_of}): +{int(planned.sum()) - real:,} tokens ({int(planned.sum()) / real - 1:.2%}); "
+              "efficiency below counts real tokens only")  # fmt: skip
     print(f"\npacking at seq_len {args.seq_len:,}")
     print("| algorithm | rows | efficiency | seconds |\n| --- | --- | --- | --- |")
     results = {}
     for algorithm in ("next_fit", "first_fit", "ffd", "bfd", "best"):
         start = time.perf_counter()
-        result = plan(lengths, args.seq_len, algorithm=algorithm, time_limit_s=args.time_limit)
+        result = plan(planned, args.seq_len, algorithm=algorithm, time_limit_s=args.time_limit)
         results[algorithm] = result
+        figures[f"rows_{algorithm}"] = result.num_bins
+        figures[f"efficiency_{algorithm}"] = efficiency = _real_efficiency(
+            result, real, planned, args.seq_len
+        )
         print(
-            f"| {algorithm} | {result.num_bins:,} | {result.efficiency:.2%} | {time.perf_counter() - start:.2f} |"
+            f"| {algorithm} | {result.num_bins:,} | {efficiency:.2%} "
+            f"| {time.perf_counter() - start:.2f} |"
         )
     bound = results["bfd"].lower_bound
+    figures["lower_bound"] = bound
     print(
-        f"| lower bound | {bound:,} | <= {lengths.clip(max=args.seq_len).sum() / (bound * args.seq_len):.2%} | |"
+        f"| lower bound | {bound:,} | <= {min(real, int(planned.clip(max=args.seq_len).sum())) / (bound * args.seq_len):.2%} | |"
     )
     long = lengths > args.seq_len
     print(
         f"\n{int(long.sum()):,} documents longer than {args.seq_len:,} tokens ({int((lengths[long] - args.seq_len).sum()):,} tokens beyond)"
     )
     for policy in ("split", "truncate", "drop"):
-        r = plan(lengths, args.seq_len, algorithm="bfd", long_docs=policy)
+        r = plan(planned, args.seq_len, algorithm="bfd", long_docs=policy)
         print(
             f"  {policy:>8}: {r.truncated_tokens + r.dropped_tokens:,} tokens lost, {r.num_bins:,} rows"
         )
     if args.plot:
         _plot(lengths, args.seq_len, args.plot)
         print(f"\nplot -> {args.plot}")
+    if args.dp is not None or args.micro_batches is not None or _cost_flags(args):
+        figures.update(_balance_report(args, lengths))
+    if args.json:
+        import json
+        from pathlib import Path
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+        print(f"\nJSON -> {args.json}")
     return 0
+
+
+_SHAPE_FLAGS = ("hidden", "ffn", "layers", "heads", "vocab")
+
+
+def _cost_flags(args: argparse.Namespace) -> list[str]:
+    names = (*_SHAPE_FLAGS, "kv_heads", "cost_a", "cost_b")
+    return [n for n in names if getattr(args, n) is not None] + (["gated"] if args.gated else [])
+
+
+def _cost_model(args: argparse.Namespace) -> tuple[Any, str]:
+    """The CostModel the flags describe, and a label; sum(len^2) when none is given."""
+    from megapack.packing import CostModel
+
+    given = _cost_flags(args)
+    direct = args.cost_a is not None or args.cost_b is not None
+    if direct and set(given) - {"cost_a", "cost_b"}:
+        raise ValueError("give either --cost-a/--cost-b or a model shape (--hidden ...), not both")
+    if direct:
+        a, b = args.cost_a or 0.0, args.cost_b or 0.0
+        return CostModel(a=a, b=b), f"a={a:g}, b={b:g}"
+    if not given:
+        return CostModel(
+            a=0.0, b=1.0
+        ), "sum(len^2) (no model given: --hidden ... or --cost-a/--cost-b)"
+    missing = [f"--{n}" for n in _SHAPE_FLAGS if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"a model shape needs {', '.join(missing)} too (or use --cost-a/--cost-b)")
+    shape = {n: getattr(args, n) for n in _SHAPE_FLAGS}
+    model = CostModel.from_shape(**shape, kv_heads=args.kv_heads, gated=args.gated)
+    return model, ", ".join(
+        f"{k} {v}" for k, v in shape.items()
+    ) + f" (a={model.a:.3g}, b={model.b:.3g})"
+
+
+def _balance_report(args: argparse.Namespace, lengths: np.ndarray) -> dict[str, Any]:
+    from megapack.packing.compare import compare_plans
+
+    cost, label = _cost_model(args)
+    dp = 1 if args.dp is None else args.dp
+    m = 1 if args.micro_batches is None else args.micro_batches
+    r = compare_plans(
+        lengths, args.seq_len, dp_size=dp, micro_batches=m,
+        rows_per_micro_batch=args.rows_per_micro_batch, cost=cost, seed=args.seed,
+    )  # fmt: skip
+    print(f"\ndata-parallel balance: dp {dp}, {m} micro-batches of {args.rows_per_micro_batch} row(s)"
+          f" per rank per step, {r['global_batches']:,} full global batches; cost {label}")  # fmt: skip
+    print("| plan | imbalance (max / mean rank cost) | efficiency |\n| --- | --- | --- |")
+    for mode in ("token", "compute"):
+        print(
+            f"| {mode} | {r[f'imbalance_{mode}_plan']:.4f} | {r[f'efficiency_{mode}_plan']:.2%} |"
+        )
+    return r
+
+
+def _real_efficiency(result: Any, real: int, planned: np.ndarray, seq_len: int) -> float:
+    """Real tokens placed / (rows x seq_len): alignment padding is not counted as packed."""
+    padding = (
+        int(planned.sum()) - real
+    )  # every document is placed ("split"), so all its padding too
+    return (result.packed_tokens - padding) / max(result.num_bins * seq_len, 1)
 
 
 def _plot(lengths: np.ndarray, seq_len: int, path: str) -> None:
@@ -166,6 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="skip and count bad JSONL lines instead of stopping",
         )
+        p.add_argument(
+            "--cp-size", type=int, default=1,
+            help="context-parallel size: pad documents to multiples of 2 x cp (with --pad-multiple: their lcm)",
+        )  # fmt: skip
+        p.add_argument(
+            "--pad-multiple", "--pad-to-multiple-of", dest="pad_to_multiple_of", type=int, default=1,
+            help="pad every document to a multiple of this (e.g. 8/16 for FP8)",
+        )  # fmt: skip
 
     pack = sub.add_parser("pack", help="pack documents into a dataset PackedDataset.load reads")
     data_args(pack)
@@ -176,7 +274,6 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument(
         "--long-docs", default="split", choices=["split", "truncate", "drop", "error"]
     )
-    pack.add_argument("--pad-to-multiple-of", type=int, default=1)
     pack.add_argument("--seed", type=int, default=0)
     pack.set_defaults(func=cmd_pack)
 
@@ -188,6 +285,19 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument(
         "--time-limit", type=float, default=10.0, help="seconds for the 'best' search"
     )
+    stats.add_argument("--json", help="write every figure as JSON here")
+    bal = stats.add_argument_group(
+        "data-parallel balance (token plan vs compute plan, megapack.packing.balance)"
+    )
+    bal.add_argument("--dp", type=int, help="data-parallel ranks")
+    bal.add_argument("--micro-batches", type=int, help="micro-batches per rank per step")
+    bal.add_argument("--rows-per-micro-batch", type=int, default=1, help="rows per micro-batch")
+    bal.add_argument("--seed", type=int, default=0, help="seed of the shuffle")
+    for flag in (*_SHAPE_FLAGS, "kv-heads"):
+        bal.add_argument(f"--{flag}", type=int, help=f"model {flag} (cost model)")
+    bal.add_argument("--gated", action="store_true", help="SwiGLU-style MLP (cost model)")
+    bal.add_argument("--cost-a", type=float, help="row cost per token (instead of a shape)")
+    bal.add_argument("--cost-b", type=float, help="row cost per squared document length")
     stats.set_defaults(func=cmd_stats)
 
     from megapack.bench import add_arguments

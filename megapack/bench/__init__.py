@@ -2,7 +2,10 @@
 
 Sections (each a module here): `transfer` (get_batch_on_this_tp_rank vs Megatron-style per-tensor
 broadcasts vs one bare broadcast), `throughput` (real tokens/s packed vs padded, tiny megatron-core
-GPT) and `packing` (every algorithm's efficiency against the lower bound, and planning time).
+GPT), `packing` (every algorithm's efficiency against the lower bound, and planning time) and
+`balance` (token plan vs compute plan across data-parallel ranks: imbalance, efficiency, and the
+slowest rank's measured step time with the tiny GPT on CPU) and `cp` (the padding each
+context-parallel layout costs on the real lengths at cp 2, 4, 8).
 
 Launched plainly, it starts its own worker processes (gloo on CPU); under ``torchrun`` it uses the
 launched ranks (NCCL when CUDA is present). Output: a markdown report on stdout, ``--json PATH``
@@ -38,7 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--lengths",
         help="JSON list of real document lengths (default: ../shared/data/openchat_v1_lengths.json)",
     )
-    p.add_argument("--skip", nargs="*", default=[], choices=["transfer", "throughput", "packing"])
+    p.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["transfer", "throughput", "packing", "balance", "cp"],
+    )
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -55,6 +63,10 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "throughput_warmup": 1,
         "best_time_limit_s": 1.0 if quick else 10.0,
         "big_n": 100_000 if quick else 1_000_000,
+        "balance_long_tail_docs": 5_000 if quick else 20_000,
+        "balance_timing_docs": 48 if quick else 160,
+        "balance_timing_seq_len": 1024 if quick else 2048,
+        "balance_timing_repeats": 1 if quick else 3,
     }
 
 
@@ -75,6 +87,9 @@ def main(args: argparse.Namespace) -> int:
         "transfer": [],
         "throughput": [],
         "packing": [],
+        "balance": [],
+        "balance_timing": [],
+        "cp": [],
     }
     if launched:
         dist.init_process_group("nccl" if _cuda() else "gloo")
@@ -104,6 +119,14 @@ def main(args: argparse.Namespace) -> int:
                 run_throughput, args.tp * args.pp, args.tp, args.pp, data, cfg["throughput_seq_len"],
                 cfg["throughput_rows"], cfg["throughput_steps"], cfg["throughput_warmup"],
             )  # fmt: skip
+        if "balance" not in args.skip:
+            from megapack.bench.balance import run_balance_timing
+
+            _step("balance timing (tiny GPT, dp=2 on one rank)", rank0)
+            results["balance_timing"] = runner.run(
+                run_balance_timing, 1, lengths, cfg["balance_timing_seq_len"],
+                cfg["balance_timing_docs"], 2, 4, cfg["balance_timing_repeats"],
+            )  # fmt: skip
     finally:
         runner.close()
     if rank0 and "packing" not in args.skip:
@@ -111,11 +134,32 @@ def main(args: argparse.Namespace) -> int:
 
         _step("packing", rank0)
         results["packing"] = run_packing(lengths, cfg["best_time_limit_s"], cfg["big_n"])
+    if rank0 and "balance" not in args.skip:
+        from megapack.bench.balance import run_balance
+
+        _step("balance", rank0)
+        results["balance"] = run_balance(lengths, cfg["balance_long_tail_docs"])
+    if rank0 and "cp" not in args.skip:
+        from megapack.bench.cp import run_cp_padding
+        from megapack.bench.datasets import OPENCHAT_CAP
+
+        _step("cp padding", rank0)
+        results["cp"] = run_cp_padding(lengths, OPENCHAT_CAP)
     if rank0:
+        from megapack.bench.balance import markdown as balance_markdown
+
         print(report.markdown(results), flush=True)
+        print(balance_markdown(results["balance"], results["balance_timing"]) + "\n", flush=True)
+        if results["cp"]:
+            from megapack.bench.cp import markdown as cp_markdown
+
+            print(cp_markdown(results["cp"]), flush=True)
         if args.json:
+            out = report.to_json(results)
+            out["balance"], out["balance_timing"] = results["balance"], results["balance_timing"]
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(report.to_json(results), indent=2) + "\n")
+            out = out | {"cp": results["cp"]}
+            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
             print(f"JSON -> {args.json}")
         if args.plots:
             for path in report.plots(results, args.plots):
@@ -144,7 +188,7 @@ class _Runner:
                 return []
             return list(fn(*args))
         if self.pool is None:
-            from megapack.testing.pool import WorkerPool
+            from megapack.launch import WorkerPool
 
             self.pool = WorkerPool(
                 size=self.size,

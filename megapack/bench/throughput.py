@@ -92,7 +92,7 @@ def run_throughput(
 
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     if not cuda:
-        from megapack.testing.megatron_cpu import megatron_on_cpu
+        from megapack.megatron_cpu import megatron_on_cpu
 
         megatron_on_cpu()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

@@ -33,9 +33,14 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
     assert {"env", "transfer", "throughput", "packing"} <= set(data)
     assert {(r["tp"], r["seq_len"]) for r in data["transfer"]} == {(2, 4096), (4, 4096)}
     for r in data["transfer"]:
-        assert {"megapack_ms", "per_tensor_ms", "bare_ms"} <= set(r) and all(
-            r[k] > 0 for k in ("megapack_ms", "bare_ms")
-        )
+        timed = ("megapack_ms", "per_tensor_ms", "bare_megatron_ms", "bare_payload_ms")
+        assert all(r[k] > 0 for k in (*timed, "prefetch_step_ms", "compute_ms")), r
+        assert r["prefetch_blocked_ms"] >= 0 and r["prefetch_step_ms"] >= r["compute_ms"], r
+        stages = r["bytes_per_stage"]
+        assert set(stages) == {"only", "first", "middle", "last"}, stages
+        assert stages["middle"] < min(stages["first"], stages["last"]) <= stages["only"], stages
+        assert r["payload_bytes"] == stages["only"] and r["megatron_bytes"] > 0
+    assert "megapack / bare Megatron" in done.stdout and "Bytes per micro-batch" in done.stdout
     modes = {(r["dataset"], r["mode"]) for r in data["throughput"]}
     assert modes == {
         (d, m)
@@ -59,3 +64,11 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
     assert best["best"] <= best["bfd"]
     for name in ("throughput.png", "transfer.png", "packing.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG"
+    # balance section: both plans side by side, the target verdict, the CPU timing of both plans
+    assert "## Balance" in done.stdout
+    verdicts = [r["verdict"] for r in data["balance"] if r["verdict"]]
+    assert verdicts and all(v in ("pass", "FAIL") for v in verdicts)
+    for r in data["balance"]:
+        assert r["imbalance_compute_plan"] <= r["imbalance_token_plan"]
+    assert {r["mode"] for r in data["balance_timing"]} == {"token", "compute"}
+    assert all(r["slowest_rank_s"] >= r["ideal_s"] > 0 for r in data["balance_timing"])
