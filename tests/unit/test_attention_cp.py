@@ -185,3 +185,15 @@ def test_cp_padded_batches_match_the_whole_sequence(dist_pool: Any, with_mask: b
     for rank, pairs in enumerate(dist_pool.run(functools.partial(sbhd_case, with_mask), 2, timeout=120)):  # fmt: skip
         for i, (a, b) in enumerate(pairs):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"rank {rank} tensor {i}")
+
+
+def test_plan_rejects_a_document_the_document_layout_cannot_split() -> None:
+    with pytest.raises(
+        ValueError, match=r"document 0 spans 5 positions, not a multiple of 2\*cp=4"
+    ):
+        CpPlan.build(torch.tensor([0, 5, 8]), torch.tensor([0, 5, 8]), cp_size=2, cp_rank=1,
+                     layout="document", local_total=4)  # fmt: skip
+    plan = CpPlan.build(torch.tensor([0, 5, 8]), torch.tensor([0, 5, 8]), cp_size=2, cp_rank=1,
+                        layout="row", local_total=4)  # fmt: skip
+    assert plan.positions.tolist() == [2, 3, 4, 5]  # the row layout needs no per-document padding
+    assert allowed_pairs(plan) == brute_pairs([0, 5, 8], [0, 5, 8], [2, 3, 4, 5])
