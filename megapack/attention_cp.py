@@ -12,7 +12,8 @@ computes attention itself, in three steps:
    alone (the same `cp_indices` the batch was sliced with) and cuts the real (non-padding) local
    queries into *segments*: maximal runs that lie in one document at consecutive positions. A
    segment of queries at positions ``[p, p + n)`` of a document starting at ``s`` attends to the keys
-   ``[s, p + n)``, causally aligned at the bottom right (the last query sees the last key).
+   ``[s, p + n)``, causally aligned at the bottom right (the last query sees the last key). The
+   plan costs a few host syncs on a GPU; `plan_for` builds it once per micro-batch (first layer).
 3. **Attend.** The selected queries, and the keys of every segment laid one after another, go to
    a varlen kernel with ``cu_seqlens_q != cu_seqlens_k`` (flash-attn, torch varlen: causal is bottom-right
    aligned there), to flex_attention with the equivalent mask, or to the per-segment SDPA reference.
