@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megapack import comm
+from megapack.codec import Share
 from megapack.cp import CP_LAYOUTS, CpLayout
 from megapack.cp_share import take_cp_share
 from megapack.errors import ProtocolError, RemoteDataError
@@ -194,7 +195,9 @@ def _send(
         raise StopIteration
     if error is not None:
         raise error
-    return decode(header, payload, cp_group=topo.cp_group)
+    return decode(
+        header, payload, cp_group=topo.cp_group, cp_size=topo.cp_size, cp_rank=topo.cp_rank
+    )
 
 
 def _encode_item(
@@ -219,7 +222,8 @@ def _encode_item(
         layout, tensors, cp_size=topo.cp_size, cp_rank=topo.cp_rank, cp_layout=options.cp_layout,
         tp_size=topo.tp_size, sequence_parallel=options.sequence_parallel, stage=topo.stage,
     )  # fmt: skip
-    return encode_fields(layout, tensors, scalars, topo.stage, topo.device)
+    share = Share(topo.cp_size, topo.cp_rank, options.cp_layout)
+    return encode_fields(layout, tensors, scalars, topo.stage, topo.device, share=share)
 
 
 def _without_iterator(topo: Topology, options: _SourceOptions) -> Header:
@@ -255,7 +259,9 @@ def _receive(topo: Topology, state: _GroupState, timeout: float | None) -> dict[
             f"TP source rank {topo.src_rank} serves pipeline stage {header.stage.value!r} but this rank "
             f"is on stage {topo.stage.value!r}: TP peers must share a pipeline stage (check the Topology)"
         )
-    return decode(header, payload, cp_group=topo.cp_group)
+    return decode(
+        header, payload, cp_group=topo.cp_group, cp_size=topo.cp_size, cp_rank=topo.cp_rank
+    )
 
 
 def _send_frame(
