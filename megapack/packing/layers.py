@@ -90,7 +90,8 @@ def deal_layers(
             rank[g, layer] = dealt
             loads[g[:, None], by_load] += np.take_along_axis(lc, by_cost, axis=1)
         flat_rank, flat_cost = rank.reshape(full, per_batch), c.reshape(full, per_batch)
-        for b in np.flatnonzero(loads.max(axis=1) > REFINE_ABOVE * loads.mean(axis=1)):
+        worse = loads.max(axis=1) > REFINE_ABOVE * loads.mean(axis=1)
+        for b in np.flatnonzero(worse) if m > 1 else []:  # one row per rank: no swap helps
             _refine(flat_cost[b], flat_rank[b], dp)
         keys = np.argsort(flat_rank, axis=1, kind="stable")  # each rank's m rows, together
         mine = np.take_along_axis(rows.reshape(full, per_batch), keys, axis=1).reshape(full, dp, m)

@@ -399,7 +399,11 @@ def check_pytest(cmd: str, world_dir: Path, capsys: pytest.CaptureFixture[str]) 
         from megapack.testing.grids import GRIDS
 
         names = " ".join(p.read_text() for p in (ROOT / "tests").rglob("test_*.py"))
-        assert key in names or key in {g.id for g in GRIDS}, f"`{cmd}`: -k {key} selects nothing"
+        for term in re.split(r"\s+(?:or|and)\s+|\bnot\s+|[()]", key):  # a -k expression
+            term = term.strip()
+            assert not term or term in names or term in {g.id for g in GRIDS}, (
+                f"`{cmd}`: -k {term} selects nothing"
+            )
 
 
 def run_module_help(cmd: str, world_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

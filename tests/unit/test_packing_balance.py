@@ -98,6 +98,14 @@ def test_balance_plans_keep_the_invariants_and_never_lose_to_the_token_plan(case
         p.validate()  # no row over the cap, no empty row
         # the same rows, each exactly once: each document's tokens exactly once
         assert Counter(map(tuple, p.bins)) == Counter(map(tuple, base.bins))
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for doc, start, stop in p.slices.tolist():
+            spans.setdefault(doc, []).append((start, stop))
+        assert sorted(spans) == list(range(len(lengths)))
+        for doc, pieces in spans.items():
+            pieces.sort()
+            assert pieces[0][0] == 0 and pieces[-1][1] == lengths[doc]
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
         assert p.efficiency == base.efficiency
     layout = {k: case[k] for k in ("dp_size", "micro_batches", "rows_per_micro_batch")}
     cost = case["cost"]
