@@ -139,7 +139,9 @@ def _worker_main(
     with quiet_megatron():  # megatron warns about missing apex/TE once per process
         for name in preload:
             with contextlib.suppress(Exception):  # a missing optional module is not fatal
-                importlib.import_module(name)
+                module = importlib.import_module(name)
+                for attr in getattr(module, "__all__", ()):  # a lazy package (megapack) loads
+                    getattr(module, attr, None)  # its names now, not inside a timed collective
     import torch
     import torch.distributed as dist
 
