@@ -46,10 +46,39 @@ def _tokenizer(path: str | None) -> Any:
     return HFTokenizer.from_file(path) if path else ByteTokenizer()
 
 
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    """``--tokenizer`` and the chat template flags."""
+    p.add_argument(
+        "--tokenizer",
+        help="a HF tokenizer directory (tokenizer.json + tokenizer_config.json; its chat_template "
+        "renders chat records) or a bare tokenizer.json (default: the built-in byte tokenizer)",
+    )
+    p.add_argument(
+        "--builtin-chat-template",
+        action="store_true",
+        help="render chats with megapack's built-in template even when the tokenizer has its own",
+    )
+    p.add_argument("--chat-template-name", help="which of several named chat templates to use")
+
+
+def chat_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``chat_template=`` for record readers: the tokenizer directory's own template, if any."""
+    from pathlib import Path
+
+    if not args.tokenizer or args.builtin_chat_template or not Path(args.tokenizer).is_dir():
+        return {}
+    from megapack.data.hf_chat import HFChatTemplate
+
+    template = HFChatTemplate.from_pretrained(args.tokenizer, name=args.chat_template_name)
+    return {"chat_template": template} if template is not None else {}
+
+
 def _read(args: argparse.Namespace, tokenizer: Any = None) -> tuple[list[Any], str]:
     from megapack.data import read_documents
 
     options = {"skip_bad": True} if args.skip_bad else {}
+    if str(args.input).lower().endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
+        options.update(chat_options(args))
     reader = read_documents(args.input, tokenizer or _tokenizer(args.tokenizer), **options)
     docs = list(progress(reader, f"reading {args.input}"))
     stats = getattr(reader, "stats", None)
@@ -158,9 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     def data_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("input", help="a .jsonl/.json, .bin/.idx (or prefix), .npy/.npz file")
         p.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
-        p.add_argument(
-            "--tokenizer", help="a HF tokenizer.json (default: the built-in byte-level tokenizer)"
-        )
+        add_chat_arguments(p)
         p.add_argument(
             "--skip-bad",
             action="store_true",

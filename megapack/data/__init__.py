@@ -7,7 +7,8 @@
     split_document(doc, max_len)  cut long documents at message boundaries for a packer
     PackedDataset                 documents packed into equal per-rank shards of PackedBatch micro-batches
     ByteTokenizer, HFTokenizer    the Tokenizer protocol's two implementations
-    ChatTemplate                  how chat messages are rendered and which turns are learned
+    ChatTemplate                  built-in chat rendering (the fallback, e.g. for ByteTokenizer)
+    HFChatTemplate                a model's own Jinja chat template, as apply_chat_template renders it
 
 Documents go into a batch through ``PackedBatch.from_documents([d.as_dict() for d in docs])``.
 
@@ -25,10 +26,11 @@ from megapack.data.arrays import (
 from megapack.data.chat import ChatTemplate
 from megapack.data.dataset import PackedDataset
 from megapack.data.document import Document
+from megapack.data.hf_chat import ChatTemplateError, HFChatTemplate
 from megapack.data.indexed import read_indexed
 from megapack.data.jsonl import JsonlReader, JsonlStats, read_jsonl
 from megapack.data.read import read_documents
-from megapack.data.records import BadLineError
+from megapack.data.records import BadLineError, Fields
 from megapack.data.split import split_document
 from megapack.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -36,7 +38,10 @@ __all__ = [
     "BadLineError",
     "ByteTokenizer",
     "ChatTemplate",
+    "ChatTemplateError",
     "Document",
+    "Fields",
+    "HFChatTemplate",
     "HFTokenizer",
     "JsonlReader",
     "JsonlStats",

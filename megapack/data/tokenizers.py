@@ -145,7 +145,7 @@ class HFTokenizer:
         pad_token: str | None = None,
         bos_token: str | None = None,
     ) -> HFTokenizer:
-        """Load a ``tokenizer.json`` and resolve its special ids.
+        """Load a ``tokenizer.json`` (or a HF tokenizer directory holding one) and resolve its special ids.
 
         Each special token comes from, in order: the argument; ``tokenizer_config.json`` in the
         same folder (``eos_token``, ``pad_token``, ``bos_token``, as HF writes them); the first
@@ -153,7 +153,8 @@ class HFTokenizer:
         to eos, bos to None; eos must be found.
 
         Args:
-            path: the ``tokenizer.json`` file.
+            path: the ``tokenizer.json`` file, or the directory holding it (a HF model or
+                tokenizer directory; its chat template: `HFChatTemplate.from_pretrained`).
             eos_token, pad_token, bos_token: token strings, e.g. ``"<|im_end|>"``.
 
         Raises:
@@ -174,8 +175,12 @@ class HFTokenizer:
                 "(or pip install 'megapack[tokenizers]')"
             ) from e
         file = Path(path)
+        if file.is_dir():
+            file = file / "tokenizer.json"
         if not file.is_file():
-            raise FileNotFoundError(f"{file}: no such tokenizer file (expected a tokenizer.json)")
+            raise FileNotFoundError(
+                f"{file}: no such tokenizer file (expected a tokenizer.json or a directory holding one)"
+            )
         backend = RustTokenizer.from_file(str(file))
         config = _read_config(file.parent / "tokenizer_config.json")
 
