@@ -73,12 +73,71 @@ def chat_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"chat_template": template} if template is not None else {}
 
 
+RECORD_SUFFIXES = (
+    ".jsonl",
+    ".json",
+    ".jsonl.gz",
+    ".json.gz",
+    ".parquet",
+    ".arrow",
+    ".feather",
+    ".ipc",
+)
+
+
+def add_reader_arguments(p: argparse.ArgumentParser) -> None:
+    """Column mapping, ``--shard`` and ``--workers`` for record inputs (JSONL, Parquet, Arrow)."""
+    for part in ("text", "prompt", "completion", "messages", "tools"):
+        p.add_argument(
+            f"--{part}-field",
+            default=part,
+            metavar="KEY",
+            help=f"key/column of the {part} (default {part})",
+        )
+    p.add_argument(
+        "--shard",
+        metavar="RANK/WORLD",
+        help="read only this share of the rows (e.g. 0/8), disjoint across ranks",
+    )
+    p.add_argument(
+        "--workers", type=int, default=1, help="processes converting rows (default 1: this one)"
+    )
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"2/8"`` -> ``(2, 8)``; ValueError naming --shard otherwise."""
+    try:
+        rank, world = (int(v) for v in text.replace(",", "/").split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {text!r}: expected RANK/WORLD, e.g. 0/8") from None
+    return rank, world
+
+
+def reader_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Options for `read_documents` from the flags; record-only ones only for record inputs."""
+    from pathlib import Path
+
+    options: dict[str, Any] = {"skip_bad": True} if args.skip_bad else {}
+    path = Path(args.input)
+    if not (str(path).lower().endswith(RECORD_SUFFIXES) or path.is_dir()):
+        return options
+    from megapack.data import Fields
+
+    parts = ("text", "prompt", "completion", "messages", "tools")
+    fields = Fields(**{part: getattr(args, f"{part}_field") for part in parts})
+    if fields != Fields():
+        options["fields"] = fields
+    if args.shard:
+        options["shard"] = parse_shard(args.shard)
+    if args.workers != 1:
+        options["workers"] = args.workers
+    return options | chat_options(args)
+
+
 def _read(args: argparse.Namespace, tokenizer: Any = None) -> tuple[list[Any], str]:
     from megapack.data import read_documents
 
-    options = {"skip_bad": True} if args.skip_bad else {}
-    if str(args.input).lower().endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
-        options.update(chat_options(args))
+    options = reader_options(args)
     reader = read_documents(args.input, tokenizer or _tokenizer(args.tokenizer), **options)
     docs = list(progress(reader, f"reading {args.input}"))
     stats = getattr(reader, "stats", None)
@@ -185,9 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def data_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("input", help="a .jsonl/.json, .bin/.idx (or prefix), .npy/.npz file")
+        p.add_argument(
+            "input",
+            help="a .jsonl/.json, .parquet/.arrow file or HF datasets directory, .bin/.idx "
+            "(or prefix), .npy/.npz file",
+        )
         p.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
         add_chat_arguments(p)
+        add_reader_arguments(p)
         p.add_argument(
             "--skip-bad",
             action="store_true",

@@ -2,6 +2,7 @@
 
     read_documents(path)          one entry point, dispatching on the suffix:
       read_jsonl                  {"text"}, {"prompt", "completion"}, {"messages"} lines
+      read_table                  the same records as Parquet / Arrow rows, HF save_to_disk dirs
       read_indexed                megatron-core .bin/.idx pairs
       read_numpy / documents_from_*  token arrays with offsets, eos splitting, lists of arrays
     split_document(doc, max_len)  cut long documents at message boundaries for a packer
@@ -30,8 +31,10 @@ from megapack.data.hf_chat import ChatTemplateError, HFChatTemplate
 from megapack.data.indexed import read_indexed
 from megapack.data.jsonl import JsonlReader, JsonlStats, read_jsonl
 from megapack.data.read import read_documents
+from megapack.data.record_reader import ReaderStats, RecordReader
 from megapack.data.records import BadLineError, Fields
 from megapack.data.split import split_document
+from megapack.data.tables import TableReader, read_table
 from megapack.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
@@ -46,6 +49,9 @@ __all__ = [
     "JsonlReader",
     "JsonlStats",
     "PackedDataset",
+    "ReaderStats",
+    "RecordReader",
+    "TableReader",
     "Tokenizer",
     "documents_from_array",
     "documents_from_arrays",
@@ -55,5 +61,6 @@ __all__ = [
     "read_indexed",
     "read_jsonl",
     "read_numpy",
+    "read_table",
     "split_document",
 ]

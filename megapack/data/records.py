@@ -89,10 +89,16 @@ class BadLineError(ValueError):
         """The offending field, ``"text"``, ``"messages[2].content"``, or ``"<line>"``."""
         self.problem = problem
         """A short reason (``"invalid JSON"``, ``"missing"``, ``"wrong type"``, ``"empty"``, ...),
-        also the key of `JsonlStats.skipped_by_problem`."""
+        also the key of `ReaderStats.skipped_by_problem`."""
         self.value = value
         """The offending value (the raw line for invalid JSON)."""
+        self.hint = hint
+        """How to fix it."""
         super().__init__(f"{where}: field {field!r}: {problem}, got {shorten(value)}. Hint: {hint}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle with the parts (worker processes send bad rows back)."""
+        return (type(self), (self.where, self.field, self.problem, self.value, self.hint))
 
 
 def shorten(value: Any, limit: int = 80) -> str:
@@ -229,7 +235,7 @@ def _messages(
                 message,
                 'each message is an object like {"role": "user", "content": "hi"}',
             )
-        tool_call = "tool_calls" in message and not isinstance(template, ChatTemplate)
+        tool_call = message.get("tool_calls") is not None and not isinstance(template, ChatTemplate)
         for part in ("role",) if tool_call else ("role", "content"):
             if part not in message:
                 raise BadLineError(

@@ -97,6 +97,10 @@ class ByteTokenizer:
         """The UTF-8 bytes of ``text`` as ints."""
         return list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of every text (through ``self.encode``, so a subclass overriding it is used)."""
+        return [self.encode(t) for t in texts]
+
     def decode(self, ids: Sequence[int]) -> str:
         """Bytes back to text (invalid UTF-8 becomes U+FFFD); specials are skipped.
 
@@ -225,6 +229,11 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         """Ids of ``text``; the post-processor's special tokens (bos/eos templates) are not added."""
         return list(self.backend.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of every text, in parallel on all cores (the Rust ``encode_batch``)."""
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
+        return [e.ids for e in encodings]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` with special tokens skipped."""
