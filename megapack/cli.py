@@ -14,6 +14,7 @@ import argparse
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -63,8 +64,6 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 
 def chat_options(args: argparse.Namespace) -> dict[str, Any]:
     """``chat_template=`` for record readers: the tokenizer directory's own template, if any."""
-    from pathlib import Path
-
     if not args.tokenizer or args.builtin_chat_template or not Path(args.tokenizer).is_dir():
         return {}
     from megapack.data.hf_chat import HFChatTemplate
@@ -115,11 +114,8 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 def reader_options(args: argparse.Namespace) -> dict[str, Any]:
     """Options for `read_documents` from the flags; record-only ones only for record inputs."""
-    from pathlib import Path
-
     options: dict[str, Any] = {"skip_bad": True} if args.skip_bad else {}
-    path = Path(args.input)
-    if not (str(path).lower().endswith(RECORD_SUFFIXES) or path.is_dir()):
+    if not _is_record_input(args.input):
         return options
     from megapack.data import Fields
 
@@ -150,25 +146,55 @@ def _read(args: argparse.Namespace, tokenizer: Any = None) -> tuple[list[Any], s
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
-    from megapack.data import PackedDataset
+    from itertools import islice
+
+    from megapack.data import read_documents
+    from megapack.data.pack_writer import PackWriter
+    from megapack.progress import Progress
 
     tokenizer = _tokenizer(args.tokenizer)
-    docs, note = _read(args, tokenizer)
-    if note:
-        print(note, file=sys.stderr)
+    options = reader_options(args)
+    same = {k: v for k, v in options.items() if k not in ("skip_bad", "workers")}  # may change
+    config = {"input": str(Path(args.input).resolve()), "tokenizer": args.tokenizer, **same}
     start = time.perf_counter()
-    dataset = PackedDataset(
-        docs, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, algorithm=args.algorithm,
-        long_docs=args.long_docs, seed=args.seed, pad_token_id=tokenizer.pad_id,
+    writer = PackWriter(
+        args.out, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, algorithm=args.algorithm,
+        long_docs=args.long_docs, seed=args.seed, pad_token_id=tokenizer.pad_id, config=config,
+        resume=args.resume, checkpoint_every=args.checkpoint_every,
     )  # fmt: skip
-    out = dataset.save(args.out)
-    m = dataset.meta
+    record = "fields" in options or _is_record_input(args.input)
+    skip = {"skip": writer.rows_done} if record and writer.rows_done else {}
+    reader = read_documents(args.input, tokenizer, **options, **skip)
+    if writer.rows_done:
+        print(
+            f"resuming after {writer.rows_done:,} input rows ({writer.documents:,} documents)",
+            file=sys.stderr,
+        )
+        if not record:
+            reader = islice(reader, writer.rows_done, None)
+    path = Path(args.input)
+    size = path.stat().st_size if path.is_file() else None
+    progress = Progress(f"packing {args.input}", input_bytes=size)
+    position = (lambda: int(reader.rows_done)) if hasattr(reader, "rows_done") else None
+    try:
+        meta = writer.write(reader, position=position, on_progress=progress.update)
+    finally:
+        progress.close()
+    stats = getattr(reader, "stats", None)
+    if stats is not None and stats.skipped:
+        print(
+            f"{stats.skipped:,} bad lines skipped {dict(stats.skipped_by_problem)}", file=sys.stderr
+        )
     print(
-        f"packed {m['documents']:,} documents into {m['rows']:,} rows of {m['seq_len']:,} tokens "
-        f"({m['efficiency']:.2%} efficiency, lower bound {m['lower_bound']:,} rows, {args.algorithm}) "
-        f"in {time.perf_counter() - start:.1f} s -> {out}"
+        f"packed {meta['documents']:,} documents into {meta['rows']:,} rows of {meta['seq_len']:,} tokens "
+        f"({meta['efficiency']:.2%} efficiency, lower bound {meta['lower_bound']:,} rows, {args.algorithm}) "
+        f"in {time.perf_counter() - start:.1f} s -> {args.out}"
     )
     return 0
+
+
+def _is_record_input(path: str) -> bool:
+    return str(path).lower().endswith(RECORD_SUFFIXES) or Path(path).is_dir()
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -269,6 +295,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pack.add_argument("--pad-to-multiple-of", type=int, default=1)
     pack.add_argument("--seed", type=int, default=0)
+    pack.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted pack in --out from its last completed shard",
+    )
+    pack.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=100_000,
+        metavar="DOCS",
+        help="documents per completed shard (checkpoint) of the output (default 100,000)",
+    )
     pack.set_defaults(func=cmd_pack)
 
     stats = sub.add_parser(

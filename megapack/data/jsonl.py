@@ -72,6 +72,7 @@ def read_jsonl(
     fields: Fields = DEFAULT_FIELDS,
     shard: tuple[int, int] | None = None,
     workers: int = 1,
+    skip: int = 0,
 ) -> JsonlReader:
     """Documents from a JSON-lines file (optionally ``.gz``), one per non-blank line.
 
@@ -88,6 +89,7 @@ def read_jsonl(
         fields: which keys hold text, prompt, completion, messages, tools.
         shard: ``(rank, world)``: read only lines ``rank::world``.
         workers: processes converting batches of lines (1: in this process).
+        skip: non-blank lines of this shard to pass over unread (a resumed pack).
 
     Returns:
         A `JsonlReader`: iterate it for Documents, read ``.stats`` for counts.
@@ -115,4 +117,5 @@ def read_jsonl(
         fields=fields,
         shard=shard,
         workers=workers,
+        skip=skip,
     )

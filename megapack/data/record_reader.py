@@ -111,14 +111,21 @@ class RecordReader(Iterator[Document]):
         shard: tuple[int, int] | None = None,
         workers: int = 1,
         batch_size: int = BATCH_SIZE,
+        skip: int = 0,
         **options: Any,
     ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive int, got {workers!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+            raise ValueError(f"skip must be a non-negative int, got {skip!r}")
         self.tokenizer = tokenizer
         self.shard = check_shard(shard)
+        self.skip = skip
+        """Rows of this shard passed over unread (a resumed pack's completed rows)."""
+        self.rows_done = 0
+        """Rows after ``skip`` whose document was yielded or that were skipped as bad."""
         self._options = options
         self._skip_bad = skip_bad
         self._workers = workers
@@ -158,7 +165,11 @@ class RecordReader(Iterator[Document]):
 
     def _batches(self) -> Iterator[list[RawRow]]:
         batch: list[RawRow] = []
-        for row in self._rows():
+        rows = self._rows()
+        for _ in range(self.skip):
+            if next(rows, None) is None:
+                return
+        for row in rows:
             self._counts["lines"] += 1
             batch.append(row)
             if len(batch) >= self._batch_size:
@@ -185,6 +196,7 @@ class RecordReader(Iterator[Document]):
     ) -> Generator[Document, None, None]:
         for batch in results:
             for item in batch:
+                self.rows_done += 1
                 if isinstance(item, BadLineError):
                     if not self._skip_bad:
                         raise item

@@ -99,13 +99,15 @@ def read_table(
     fields: Fields = DEFAULT_FIELDS,
     shard: tuple[int, int] | None = None,
     workers: int = 1,
+    skip: int = 0,
 ) -> TableReader:
     """Documents from a Parquet / Arrow file or dataset directory; see the module table.
 
     Args:
         path: a ``.parquet`` / ``.arrow`` / ``.feather`` / ``.ipc`` file, a datasets
             ``save_to_disk`` directory, or a directory of such files.
-        tokenizer, format, skip_bad, append_eos, chat_template, fields, workers: as `read_jsonl`.
+        tokenizer, format, skip_bad, append_eos, chat_template, fields, workers, skip: as
+            `read_jsonl`.
         shard: ``(rank, world)``: this rank's share (see the module docstring).
 
     Returns:
@@ -142,6 +144,7 @@ def read_table(
         fields=fields,
         shard=shard,
         workers=workers,
+        skip=skip,
     )
 
 
