@@ -2,7 +2,8 @@
 
 Sections (each a module here): `transfer` (get_batch_on_this_tp_rank vs Megatron-style per-tensor
 broadcasts vs one bare broadcast), `throughput` (real tokens/s packed vs padded, tiny megatron-core
-GPT) and `packing` (every algorithm's efficiency against the lower bound, and planning time).
+GPT), `packing` (every algorithm's efficiency against the lower bound, and planning time) and
+`pack` (``megapack pack`` of a JSONL file vs bare read + json + encode_batch, MB/s, peak RSS).
 
 Launched plainly, it starts its own worker processes (gloo on CPU); under ``torchrun`` it uses the
 launched ranks (NCCL when CUDA is present). Output: a markdown report on stdout, ``--json PATH``
@@ -38,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--lengths",
         help="JSON list of real document lengths (default: ../shared/data/openchat_v1_lengths.json)",
     )
-    p.add_argument("--skip", nargs="*", default=[], choices=["transfer", "throughput", "packing"])
+    p.add_argument(
+        "--skip", nargs="*", default=[], choices=["transfer", "throughput", "packing", "pack"]
+    )
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -55,6 +58,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "throughput_warmup": 1,
         "best_time_limit_s": 1.0 if quick else 10.0,
         "big_n": 100_000 if quick else 1_000_000,
+        "pack_documents": [500, 5_000] if quick else [5_000, 50_000],  # two inputs 10x apart
+        "pack_repeats": 1 if quick else 3,
     }
 
 
@@ -75,6 +80,7 @@ def main(args: argparse.Namespace) -> int:
         "transfer": [],
         "throughput": [],
         "packing": [],
+        "pack": [],
     }
     if launched:
         dist.init_process_group("nccl" if _cuda() else "gloo")
@@ -111,11 +117,21 @@ def main(args: argparse.Namespace) -> int:
 
         _step("packing", rank0)
         results["packing"] = run_packing(lengths, cfg["best_time_limit_s"], cfg["big_n"])
+    if rank0 and "pack" not in args.skip:
+        from megapack.bench.pack import run_pack
+
+        _step("pack", rank0)
+        results["pack"] = run_pack(cfg["pack_documents"], cfg["pack_repeats"])
     if rank0:
         print(report.markdown(results), flush=True)
+        if results["pack"]:
+            from megapack.bench.pack import markdown as pack_markdown
+
+            print(pack_markdown(results["pack"]), flush=True)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(report.to_json(results), indent=2) + "\n")
+            data = {**report.to_json(results), "pack": results["pack"]}
+            Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
             print(f"JSON -> {args.json}")
         if args.plots:
             for path in report.plots(results, args.plots):

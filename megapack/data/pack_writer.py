@@ -74,7 +74,7 @@ class PackWriter:
         config: dict[str, Any] | None = None,
         resume: bool = False,
         checkpoint_every: int = 100_000,
-        buffer_tokens: int = 1 << 20,
+        buffer_tokens: int = 1 << 16,
     ) -> None:
         from megapack.packing.items import LONG_DOC_POLICIES
         from megapack.packing.plan import ALGORITHMS

@@ -9,7 +9,8 @@ already-decoded dict. Everything after that is shared and lives here:
    `record_to_document`; the batch's text fields are tokenized first with one
    ``tokenizer.encode_batch`` call (the HF tokenizer runs it on all cores), so the per-row path
    finds its tokens in a small cache;
-3. with ``workers > 1`` steps 2 runs in a pool of forked processes, batches in order;
+3. step 2 of the next batch runs in a thread while the caller consumes this one (``encode_batch``
+   releases the GIL), or, with ``workers > 1``, in a pool of forked processes; order is kept;
 4. bad rows: the first raises `BadLineError` (file, row, field, value, hint) in order, after the
    rows before it were yielded; with ``skip_bad`` they are counted in `ReaderStats`.
 
@@ -23,6 +24,7 @@ import json
 import multiprocessing
 from collections import Counter
 from collections.abc import Generator, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
 from typing import Any, NamedTuple
@@ -180,16 +182,29 @@ class RecordReader(Iterator[Document]):
 
     def _read(self) -> Generator[Document, None, None]:
         if self._workers == 1:
-            results: Iterator[list[Document | BadLineError]] = (
-                convert_rows(batch, self.tokenizer, self._options) for batch in self._batches()
-            )
-            yield from self._count(results)
+            yield from self._count(self._ahead())
             return
         context = multiprocessing.get_context("fork")
         with context.Pool(
             self._workers, initializer=_init_worker, initargs=(self.tokenizer, self._options)
         ) as pool:
             yield from self._count(pool.imap(_convert_in_worker, self._batches()))
+
+    def _ahead(self) -> Iterator[list[Document | BadLineError]]:
+        """Converted batches, the next one converting in a thread while this one is consumed.
+
+        The tokenizer's ``encode_batch`` releases the GIL, so it overlaps with the caller's Python
+        work on the previous batch (writing it, planning); order is kept.
+        """
+        with ThreadPoolExecutor(1) as pool:
+            pending: Future[list[Document | BadLineError]] | None = None
+            for batch in self._batches():
+                future = pool.submit(convert_rows, batch, self.tokenizer, self._options)
+                if pending is not None:
+                    yield pending.result()
+                pending = future
+            if pending is not None:
+                yield pending.result()
 
     def _count(
         self, results: Iterator[list[Document | BadLineError]]
