@@ -215,7 +215,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"\npacking at seq_len {args.seq_len:,}")
     print("| algorithm | rows | efficiency | seconds |\n| --- | --- | --- | --- |")
     results = {}
-    for algorithm in ("next_fit", "first_fit", "ffd", "bfd", "best"):
+    from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
+
+    for algorithm in ALGORITHMS:
         start = time.perf_counter()
         result = plan(lengths, args.seq_len, algorithm=algorithm, time_limit_s=args.time_limit)
         results[algorithm] = result
@@ -230,7 +232,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(
         f"\n{int(long.sum()):,} documents longer than {args.seq_len:,} tokens ({int((lengths[long] - args.seq_len).sum()):,} tokens beyond)"
     )
-    for policy in ("split", "truncate", "drop"):
+    for policy in (p for p in LONG_DOC_POLICIES if p != "error"):
         r = plan(lengths, args.seq_len, algorithm="bfd", long_docs=policy)
         print(
             f"  {policy:>8}: {r.truncated_tokens + r.dropped_tokens:,} tokens lost, {r.num_bins:,} rows"
@@ -287,12 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     pack = sub.add_parser("pack", help="pack documents into a dataset PackedDataset.load reads")
     data_args(pack)
     pack.add_argument("--out", required=True, help="output directory")
-    pack.add_argument(
-        "--algorithm", default="bfd", choices=["bfd", "ffd", "first_fit", "next_fit", "best"]
-    )
-    pack.add_argument(
-        "--long-docs", default="split", choices=["split", "truncate", "drop", "error"]
-    )
+    from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
+
+    pack.add_argument("--algorithm", default=ALGORITHMS[0], choices=ALGORITHMS)
+    pack.add_argument("--long-docs", default=LONG_DOC_POLICIES[0], choices=LONG_DOC_POLICIES)
     pack.add_argument("--pad-to-multiple-of", type=int, default=1)
     pack.add_argument("--seed", type=int, default=0)
     pack.add_argument(

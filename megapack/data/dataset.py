@@ -28,9 +28,10 @@ import torch.distributed as dist
 from megapack.batch import PackedBatch
 from megapack.data.document import Document
 from megapack.data.split import split_document
+from megapack.packing.names import LONG_DOC_POLICIES
 
 FORMAT_VERSION = 1
-LONG_DOCS = ("split", "truncate", "drop", "error")
+LONG_DOCS = LONG_DOC_POLICIES  # the one list, in megapack.packing.names
 
 
 class PackedDataset:

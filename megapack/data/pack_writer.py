@@ -76,8 +76,7 @@ class PackWriter:
         checkpoint_every: int = 100_000,
         buffer_tokens: int = 1 << 16,
     ) -> None:
-        from megapack.packing.items import LONG_DOC_POLICIES
-        from megapack.packing.plan import ALGORITHMS
+        from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
 
         for name, value in (("seq_len", seq_len), ("pad_to_multiple_of", pad_to_multiple_of),
                             ("checkpoint_every", checkpoint_every), ("buffer_tokens", buffer_tokens)):  # fmt: skip

@@ -17,9 +17,9 @@ bounds.py (L1, L2), streaming.py.
 """
 
 from megapack.packing.bounds import l1_bound, l2_bound, lower_bound
-from megapack.packing.items import LONG_DOC_POLICIES
+from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
 from megapack.packing.pack_plan import PackPlan, Slice
-from megapack.packing.plan import ALGORITHMS, plan
+from megapack.packing.plan import plan
 from megapack.packing.streaming import Piece, StreamingPacker
 
 __all__ = [
