@@ -205,6 +205,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if len(lengths) == 0:
         print(f"{args.input}: no documents", file=sys.stderr)
         return 1
+    figures: dict[str, Any] = {
+        "input": args.input, "seq_len": args.seq_len, "documents": len(lengths),
+        "tokens": int(lengths.sum()), "length_min": int(lengths.min()),
+        "length_median": float(np.median(lengths)), "length_max": int(lengths.max()),
+    }  # fmt: skip
     print(f"{len(lengths):,} documents, {int(lengths.sum()):,} tokens; length min {lengths.min()}, "
           f"median {int(np.median(lengths))}, mean {lengths.mean():.1f}, max {lengths.max()}" + (f"; {note}" if note else ""))  # fmt: skip
     print("\nlength histogram")
@@ -221,10 +226,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         result = plan(lengths, args.seq_len, algorithm=algorithm, time_limit_s=args.time_limit)
         results[algorithm] = result
+        figures[f"rows_{algorithm}"] = result.num_bins
+        figures[f"efficiency_{algorithm}"] = result.efficiency
         print(
             f"| {algorithm} | {result.num_bins:,} | {result.efficiency:.2%} | {time.perf_counter() - start:.2f} |"
         )
     bound = results["bfd"].lower_bound
+    figures["lower_bound"] = bound
     print(
         f"| lower bound | {bound:,} | <= {lengths.clip(max=args.seq_len).sum() / (bound * args.seq_len):.2%} | |"
     )
@@ -240,7 +248,69 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(lengths, args.seq_len, args.plot)
         print(f"\nplot -> {args.plot}")
+    if args.dp is not None or args.micro_batches is not None or _cost_flags(args):
+        figures.update(_balance_report(args, lengths))
+    if args.json:
+        import json
+        from pathlib import Path
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+        print(f"\nJSON -> {args.json}")
     return 0
+
+
+_SHAPE_FLAGS = ("hidden", "ffn", "layers", "heads", "vocab")
+
+
+def _cost_flags(args: argparse.Namespace) -> list[str]:
+    names = (*_SHAPE_FLAGS, "kv_heads", "cost_a", "cost_b")
+    return [n for n in names if getattr(args, n) is not None] + (["gated"] if args.gated else [])
+
+
+def _cost_model(args: argparse.Namespace) -> tuple[Any, str]:
+    """The CostModel the flags describe, and a label; sum(len^2) when none is given."""
+    from megapack.packing import CostModel
+
+    given = _cost_flags(args)
+    direct = args.cost_a is not None or args.cost_b is not None
+    if direct and set(given) - {"cost_a", "cost_b"}:
+        raise ValueError("give either --cost-a/--cost-b or a model shape (--hidden ...), not both")
+    if direct:
+        a, b = args.cost_a or 0.0, args.cost_b or 0.0
+        return CostModel(a=a, b=b), f"a={a:g}, b={b:g}"
+    if not given:
+        return CostModel(
+            a=0.0, b=1.0
+        ), "sum(len^2) (no model given: --hidden ... or --cost-a/--cost-b)"
+    missing = [f"--{n}" for n in _SHAPE_FLAGS if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"a model shape needs {', '.join(missing)} too (or use --cost-a/--cost-b)")
+    shape = {n: getattr(args, n) for n in _SHAPE_FLAGS}
+    model = CostModel.from_shape(**shape, kv_heads=args.kv_heads, gated=args.gated)
+    return model, ", ".join(
+        f"{k} {v}" for k, v in shape.items()
+    ) + f" (a={model.a:.3g}, b={model.b:.3g})"
+
+
+def _balance_report(args: argparse.Namespace, lengths: np.ndarray) -> dict[str, Any]:
+    from megapack.packing.compare import compare_plans
+
+    cost, label = _cost_model(args)
+    dp = 1 if args.dp is None else args.dp
+    m = 1 if args.micro_batches is None else args.micro_batches
+    r = compare_plans(
+        lengths, args.seq_len, dp_size=dp, micro_batches=m,
+        rows_per_micro_batch=args.rows_per_micro_batch, cost=cost, seed=args.seed,
+    )  # fmt: skip
+    print(f"\ndata-parallel balance: dp {dp}, {m} micro-batches of {args.rows_per_micro_batch} row(s)"
+          f" per rank per step, {r['global_batches']:,} full global batches; cost {label}")  # fmt: skip
+    print("| plan | imbalance (max / mean rank cost) | efficiency |\n| --- | --- | --- |")
+    for mode in ("token", "compute"):
+        print(
+            f"| {mode} | {r[f'imbalance_{mode}_plan']:.4f} | {r[f'efficiency_{mode}_plan']:.2%} |"
+        )
+    return r
 
 
 def _plot(lengths: np.ndarray, seq_len: int, path: str) -> None:
@@ -317,6 +387,19 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument(
         "--time-limit", type=float, default=10.0, help="seconds for the 'best' search"
     )
+    stats.add_argument("--json", help="write every figure as JSON here")
+    bal = stats.add_argument_group(
+        "data-parallel balance (token plan vs compute plan, megapack.packing.balance)"
+    )
+    bal.add_argument("--dp", type=int, help="data-parallel ranks")
+    bal.add_argument("--micro-batches", type=int, help="micro-batches per rank per step")
+    bal.add_argument("--rows-per-micro-batch", type=int, default=1, help="rows per micro-batch")
+    bal.add_argument("--seed", type=int, default=0, help="seed of the shuffle")
+    for flag in (*_SHAPE_FLAGS, "kv-heads"):
+        bal.add_argument(f"--{flag}", type=int, help=f"model {flag} (cost model)")
+    bal.add_argument("--gated", action="store_true", help="SwiGLU-style MLP (cost model)")
+    bal.add_argument("--cost-a", type=float, help="row cost per token (instead of a shape)")
+    bal.add_argument("--cost-b", type=float, help="row cost per squared document length")
     stats.set_defaults(func=cmd_stats)
 
     from megapack.bench import add_arguments

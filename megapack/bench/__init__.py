@@ -2,8 +2,9 @@
 
 Sections (each a module here): `transfer` (get_batch_on_this_tp_rank vs Megatron-style per-tensor
 broadcasts vs one bare broadcast), `throughput` (real tokens/s packed vs padded, tiny megatron-core
-GPT), `packing` (every algorithm's efficiency against the lower bound, and planning time) and
-`pack` (``megapack pack`` of a JSONL file vs bare read + json + encode_batch, MB/s, peak RSS).
+GPT), `packing` (every algorithm's efficiency against the lower bound, and planning time),
+`balance` (token plan vs compute plan across data-parallel ranks: imbalance, efficiency, and the
+slowest rank's measured step time with the tiny GPT on CPU) and `pack` (``megapack pack`` of a JSONL file vs bare read + json + encode_batch, MB/s, peak RSS).
 
 Launched plainly, it starts its own worker processes (gloo on CPU); under ``torchrun`` it uses the
 launched ranks (NCCL when CUDA is present). Output: a markdown report on stdout, ``--json PATH``
@@ -40,7 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="JSON list of real document lengths (default: ../shared/data/openchat_v1_lengths.json)",
     )
     p.add_argument(
-        "--skip", nargs="*", default=[], choices=["transfer", "throughput", "packing", "pack"]
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["transfer", "throughput", "packing", "balance", "pack"],
     )
 
 
@@ -58,6 +62,10 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "throughput_warmup": 1,
         "best_time_limit_s": 1.0 if quick else 10.0,
         "big_n": 100_000 if quick else 1_000_000,
+        "balance_long_tail_docs": 5_000 if quick else 20_000,
+        "balance_timing_docs": 48 if quick else 160,
+        "balance_timing_seq_len": 1024 if quick else 2048,
+        "balance_timing_repeats": 1 if quick else 3,
         "pack_documents": [500, 5_000] if quick else [5_000, 50_000],  # two inputs 10x apart
         "pack_repeats": 1 if quick else 3,
     }
@@ -80,6 +88,8 @@ def main(args: argparse.Namespace) -> int:
         "transfer": [],
         "throughput": [],
         "packing": [],
+        "balance": [],
+        "balance_timing": [],
         "pack": [],
     }
     if launched:
@@ -110,6 +120,14 @@ def main(args: argparse.Namespace) -> int:
                 run_throughput, args.tp * args.pp, args.tp, args.pp, data, cfg["throughput_seq_len"],
                 cfg["throughput_rows"], cfg["throughput_steps"], cfg["throughput_warmup"],
             )  # fmt: skip
+        if "balance" not in args.skip:
+            from megapack.bench.balance import run_balance_timing
+
+            _step("balance timing (tiny GPT, dp=2 on one rank)", rank0)
+            results["balance_timing"] = runner.run(
+                run_balance_timing, 1, lengths, cfg["balance_timing_seq_len"],
+                cfg["balance_timing_docs"], 2, 4, cfg["balance_timing_repeats"],
+            )  # fmt: skip
     finally:
         runner.close()
     if rank0 and "packing" not in args.skip:
@@ -117,21 +135,32 @@ def main(args: argparse.Namespace) -> int:
 
         _step("packing", rank0)
         results["packing"] = run_packing(lengths, cfg["best_time_limit_s"], cfg["big_n"])
+    if rank0 and "balance" not in args.skip:
+        from megapack.bench.balance import run_balance
+
+        _step("balance", rank0)
+        results["balance"] = run_balance(lengths, cfg["balance_long_tail_docs"])
+
     if rank0 and "pack" not in args.skip:
         from megapack.bench.pack import run_pack
 
         _step("pack", rank0)
         results["pack"] = run_pack(cfg["pack_documents"], cfg["pack_repeats"])
     if rank0:
+        from megapack.bench.balance import markdown as balance_markdown
+
         print(report.markdown(results), flush=True)
+        print(balance_markdown(results["balance"], results["balance_timing"]) + "\n", flush=True)
         if results["pack"]:
             from megapack.bench.pack import markdown as pack_markdown
 
             print(pack_markdown(results["pack"]), flush=True)
         if args.json:
+            out = report.to_json(results)
+            out["balance"], out["balance_timing"] = results["balance"], results["balance_timing"]
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            data = {**report.to_json(results), "pack": results["pack"]}
-            Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+            out["pack"] = results["pack"]
+            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
             print(f"JSON -> {args.json}")
         if args.plots:
             for path in report.plots(results, args.plots):

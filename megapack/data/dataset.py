@@ -7,9 +7,12 @@ are first cut at message boundaries where possible (`split_document`; each cut c
 target that crossed it), or truncated, dropped or refused, as ``long_docs`` says.
 
 Each epoch shuffles the rows with ``(seed, epoch)``, groups ``rows_per_micro_batch`` rows into one
-THD micro-batch, and pads the number of micro-batches to a multiple of ``dp_size`` with zero-loss
-micro-batches, so every data-parallel rank gets the same count and no rank waits for another
-(item i of rank r is micro-batch r + i * dp_size). Nothing is dropped.
+THD micro-batch, and pads the number of micro-batches to a multiple of ``dp_size * micro_batches``
+with zero-loss micro-batches, so every data-parallel rank gets the same count, in whole optimizer
+steps (item i of rank r is micro-batch r + i * dp_size). Nothing is dropped. With
+``balance="compute"`` the rows of every global batch (``dp_size * micro_batches`` micro-batches)
+are dealt so that each rank's step costs about the same under ``cost``, and each rank's micro-batches
+are put in pipeline-friendly order (`megapack.packing.balance`); every rank computes the same order.
 
 Storage is flat numpy arrays (tokens, loss mask, document offsets, bins as (doc, start, stop)
 slices), the same in memory and on disk: `save` writes them, `load` memory-maps them back.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch.distributed as dist
@@ -29,6 +32,9 @@ from megapack.batch import PackedBatch
 from megapack.data.document import Document
 from megapack.data.split import split_document
 from megapack.packing.names import LONG_DOC_POLICIES
+
+if TYPE_CHECKING:
+    from megapack.packing.cost import CostModel
 
 FORMAT_VERSION = 1
 LONG_DOCS = LONG_DOC_POLICIES  # the one list, in megapack.packing.names
@@ -47,6 +53,11 @@ class PackedDataset:
         seed: shuffles rows per epoch (with ``epoch``) and seeds the packer.
         dp_rank, dp_size: this rank's shard of micro-batches.
         pad_token_id: id for padding tokens and for labels that have no next token.
+        balance: "token" (rows shuffled and dealt round-robin) or "compute" (each global batch
+            balanced across ranks under ``cost``; `megapack.packing.balance`).
+        micro_batches: micro-batches per rank per optimizer step (Megatron's global batch size /
+            (micro-batch size x dp_size)); the epoch is padded to whole steps.
+        cost: a `megapack.packing.CostModel`, required by ``balance="compute"``.
 
     Example:
         >>> ds = PackedDataset(docs, seq_len=4096, rows_per_micro_batch=2, dp_rank=r, dp_size=8)  # doctest: +SKIP
@@ -66,6 +77,9 @@ class PackedDataset:
         dp_rank: int = 0,
         dp_size: int = 1,
         pad_token_id: int = 0,
+        balance: str = "token",
+        micro_batches: int = 1,
+        cost: CostModel | None = None,
     ) -> None:
         from megapack.packing import plan
 
@@ -108,12 +122,31 @@ class PackedDataset:
             "truncated_tokens": packing.truncated_tokens, "dropped_tokens": packing.dropped_tokens,
             "pad_token_id": pad_token_id,
         }  # fmt: skip
-        self._configure(rows_per_micro_batch, dp_rank, dp_size, pad_token_id)
+        self._configure(
+            rows_per_micro_batch, dp_rank, dp_size, pad_token_id, balance, micro_batches, cost
+        )
 
     def _configure(
-        self, rows_per_micro_batch: int, dp_rank: int, dp_size: int, pad_token_id: int
+        self,
+        rows_per_micro_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        pad_token_id: int,
+        balance: str = "token",
+        micro_batches: int = 1,
+        cost: CostModel | None = None,
     ) -> None:
+        from megapack.packing.balance import check_balance
+
         _check_positive(rows_per_micro_batch=rows_per_micro_batch, dp_size=dp_size)
+        _check_positive(micro_batches=micro_batches)
+        if balance not in ("token", "compute"):
+            raise ValueError(f"balance={balance!r}; choose 'token' or 'compute'")
+        check_balance(
+            balance, dp_size=dp_size, micro_batches=micro_batches,
+            rows_per_micro_batch=rows_per_micro_batch, cost=cost,
+        )  # fmt: skip
+        self.balance, self.micro_batches, self.cost = balance, micro_batches, cost
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside dp_size={dp_size}")
         self.rows_per_micro_batch, self.dp_rank, self.dp_size = (
@@ -128,7 +161,8 @@ class PackedDataset:
         self.num_micro_batches = -(
             -rows // rows_per_micro_batch
         )  # the last one may hold fewer rows
-        self.padded_micro_batches = -(-self.num_micro_batches // dp_size) * dp_size
+        step = dp_size * micro_batches
+        self.padded_micro_batches = -(-self.num_micro_batches // step) * step
 
     @property
     def seq_len(self) -> int:
@@ -148,18 +182,37 @@ class PackedDataset:
                 f"PackedDataset index {index} out of range for {len(self)} micro-batches"
             )
         global_index = self.dp_rank + index * self.dp_size
-        if global_index >= self.num_micro_batches:
-            return self._padding_micro_batch()
-        if self._order is None:
-            self._order = np.random.default_rng((self.meta["seed"], self.epoch)).permutation(
-                int(self.meta["rows"])
-            )
-        rows = self._order[
+        rows = self.order()[
             global_index * self.rows_per_micro_batch : (global_index + 1)
             * self.rows_per_micro_batch
         ]
-        filler = [self._filler_row()] * (self.rows_per_micro_batch - len(rows))  # constant shape
-        return PackedBatch.concat([self._row(int(r)) for r in rows] + filler)
+        if (rows < 0).all():
+            return self._padding_micro_batch()
+        return PackedBatch.concat(
+            [self._row(int(r)) if r >= 0 else self._filler_row() for r in rows]
+        )
+
+    def order(self) -> np.ndarray:
+        """This epoch's rows in dealing order, ``-1`` for zero-loss filler rows (same on every rank).
+
+        Micro-batch ``j`` is ``order()[j * R:(j + 1) * R]`` and is item ``j // dp_size`` of DP rank
+        ``j % dp_size`` (``R = rows_per_micro_batch``).
+        """
+        if self._order is None:
+            from megapack.packing.balance import order_rows
+
+            rows = int(self.meta["rows"])
+            costs = (
+                self.cost.bin_costs(self._arrays["slices"], self._arrays["bin_offsets"])
+                if self.cost is not None
+                else np.zeros(rows)
+            )
+            self._order = order_rows(
+                costs, balance=self.balance, dp_size=self.dp_size,
+                micro_batches=self.micro_batches, rows_per_micro_batch=self.rows_per_micro_batch,
+                seed=(int(self.meta["seed"]), self.epoch),
+            )  # fmt: skip
+        return self._order
 
     def __iter__(self) -> Iterator[PackedBatch]:
         return (self[i] for i in range(len(self)))
@@ -225,6 +278,9 @@ class PackedDataset:
         dp_rank: int = 0,
         dp_size: int = 1,
         pad_token_id: int | None = None,
+        balance: str = "token",
+        micro_batches: int = 1,
+        cost: CostModel | None = None,
     ) -> PackedDataset:
         """Memory-map a dataset written by `save` or ``megapack pack`` (padding with its recorded pad id by default)."""
         path = Path(directory)
@@ -243,7 +299,9 @@ class PackedDataset:
         dataset.meta = meta
         dataset._arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r") for name in names}
         pad = int(meta.get("pad_token_id", 0)) if pad_token_id is None else pad_token_id
-        dataset._configure(rows_per_micro_batch, dp_rank, dp_size, pad)
+        dataset._configure(
+            rows_per_micro_batch, dp_rank, dp_size, pad, balance, micro_batches, cost
+        )
         return dataset
 
 

@@ -13,10 +13,12 @@ Example, lengths ``[3, 2, 4]`` at capacity 5:
 
 Files: plan.py (entry point), pack_plan.py (the result), items.py (long documents), bfd.py and
 fit.py (greedy algorithms), search.py and partial.py (the "best" local search), subset_sum.py,
-bounds.py (L1, L2), streaming.py.
+bounds.py (L1, L2), streaming.py, cost.py (row cost a * tokens + b * sum(len^2)), balance.py and layers.py (compute-balanced
+dealing to data-parallel ranks), compare.py (token vs compute plan).
 """
 
 from megapack.packing.bounds import l1_bound, l2_bound, lower_bound
+from megapack.packing.cost import CostModel
 from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
 from megapack.packing.pack_plan import PackPlan, Slice
 from megapack.packing.plan import plan
@@ -25,6 +27,7 @@ from megapack.packing.streaming import Piece, StreamingPacker
 __all__ = [
     "ALGORITHMS",
     "LONG_DOC_POLICIES",
+    "CostModel",
     "PackPlan",
     "Piece",
     "Slice",

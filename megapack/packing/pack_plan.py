@@ -157,6 +157,36 @@ class PackPlan:
         """``num_bins - lower_bound``: at most this many bins could still be saved."""
         return self.num_bins - self.lower_bound
 
+    def reordered(self, order: np.ndarray | list[int]) -> PackPlan:
+        """The same plan with its bins in ``order`` (a permutation of the bin indices).
+
+        Example:
+            >>> PackPlan.from_bins([[(2, 0, 4)], [(0, 0, 3), (1, 0, 2)]], 5).reordered([1, 0]).bins
+            [[(0, 0, 3), (1, 0, 2)], [(2, 0, 4)]]
+        """
+        order = np.asarray(order, dtype=np.int64)
+        if order.ndim != 1 or not np.array_equal(np.sort(order), np.arange(self.num_bins)):
+            raise ValueError(
+                f"order must be a permutation of range({self.num_bins}), got {order[:8].tolist()}..."
+            )
+        counts = np.diff(self.bin_offsets)[order]
+        offsets = np.concatenate(([0], np.cumsum(counts)))
+        take = np.repeat(self.bin_offsets[order] - offsets[:-1], counts) + np.arange(offsets[-1])
+        return PackPlan(
+            capacity=self.capacity,
+            algorithm=self.algorithm,
+            bin_offsets=offsets,
+            slices=self.slices[take],
+            lower_bound=self.lower_bound,
+            num_docs=self.num_docs,
+            num_split_docs=self.num_split_docs,
+            split_tokens=self.split_tokens,
+            num_truncated_docs=self.num_truncated_docs,
+            truncated_tokens=self.truncated_tokens,
+            num_dropped_docs=self.num_dropped_docs,
+            dropped_tokens=self.dropped_tokens,
+        )
+
     def to_arrays(self) -> dict[str, np.ndarray]:
         """Return the compact form: ``bin_offsets``, ``doc_index``, ``start``, ``stop`` (views).
 

@@ -22,8 +22,10 @@ and on 1,000,000 lognormal lengths (``lognormal(6, 1)`` clipped to [1, 4096], ca
 "bfd" 157,517 bins in 0.25-0.3 s end to end (0.11 s packing), traced peak 92 MiB; "best" reaches
 the lower bound, 157,510 bins, in 2.8 s.
 
-Within a bin, slices are listed in document order. Bins are numbered in the order the algorithm
-opened them; for "best", bins the search did not touch come first, in BFD's order.
+With ``balance="token"`` or ``"compute"`` the bins are listed in the order a data loader deals
+them to data-parallel ranks (balance.py). Within a bin, slices are listed in document order. Bins are numbered in the order the algorithm
+opened them (``balance=None``); for "best", bins the search did not touch come first, in BFD's
+order.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from megapack.packing.balance import check_balance, order_rows
 from megapack.packing.bfd import best_fit_decreasing
 from megapack.packing.bounds import lower_bound
+from megapack.packing.cost import CostModel
 from megapack.packing.fit import first_fit, first_fit_decreasing, next_fit
 from megapack.packing.items import Items, as_lengths, make_items
 from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
@@ -60,6 +64,11 @@ def plan(
     seed: int = 0,
     time_limit_s: float | None = 10.0,
     max_search_steps: int = DEFAULT_MAX_STEPS,
+    balance: str | None = None,
+    dp_size: int = 1,
+    micro_batches: int = 1,
+    rows_per_micro_batch: int = 1,
+    cost: CostModel | None = None,
 ) -> PackPlan:
     """Plan how to pack documents of the given lengths into bins of ``capacity`` tokens.
 
@@ -78,6 +87,14 @@ def plan(
             which can vary between runs.
         max_search_steps: step budget of the "best" search (about 3,300 steps per second on
             OpenChat V1 here; the default 20,000 binds before the default 10 s limit on this machine).
+        balance: None keeps the bins in the algorithm's order; "token" shuffles them with
+            ``seed``, as a data loader deals them; "compute" shuffles, then re-deals every global
+            batch so that each data-parallel rank's step costs about the same (balance.py). With
+            either, bin ``i`` is for micro-batch ``i // rows_per_micro_batch``, which goes to DP
+            rank ``(i // rows_per_micro_batch) % dp_size``.
+        dp_size, micro_batches, rows_per_micro_batch: data-parallel ranks, micro-batches per rank
+            per optimizer step, rows per micro-batch: a global batch is their product of rows.
+        cost: the `CostModel` of a row, required by ``balance="compute"``.
 
     Returns:
         The `PackPlan`.
@@ -94,6 +111,10 @@ def plan(
         [[(0, 0, 3), (1, 0, 2)], [(2, 0, 4)]]
         >>> plan([12], 5).bins
         [[(0, 0, 5)], [(0, 5, 10)], [(0, 10, 12)]]
+        >>> lengths, squares = [4, 4, 2, 2, 1, 1, 1, 1], CostModel(a=0, b=1)
+        >>> p = plan(lengths, 4, balance="compute", dp_size=2, micro_batches=2, cost=squares)
+        >>> [[stop - start for _, start, stop in b] for b in p.bins]  # ranks 0, 1, 0, 1: 24, 20
+        [[2, 2], [1, 1, 1, 1], [4], [4]]
     """
     _check_int("capacity", capacity, minimum=1)
     _check_int("seed", seed, minimum=0)
@@ -102,6 +123,9 @@ def plan(
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if long_docs not in LONG_DOC_POLICIES:
         raise ValueError(f"long_docs must be one of {LONG_DOC_POLICIES}, got {long_docs!r}")
+    layout = {"dp_size": dp_size, "micro_batches": micro_batches}
+    layout["rows_per_micro_batch"] = rows_per_micro_batch
+    check_balance(balance, **layout, cost=cost)
     if time_limit_s is not None and (
         isinstance(time_limit_s, bool)
         or not isinstance(time_limit_s, int | float)
@@ -124,7 +148,12 @@ def plan(
             max_steps=int(max_search_steps),
             lower_bound=bound,
         )
-    return _to_plan(items, bin_of, capacity, algorithm, bound)
+    result = _to_plan(items, bin_of, capacity, algorithm, bound)
+    if balance is None:
+        return result
+    costs = (cost or CostModel.tokens()).bin_costs(result.slices, result.bin_offsets)
+    order = order_rows(costs, balance=balance, **layout, seed=int(seed), pad=False)
+    return result.reordered(order)
 
 
 def _to_plan(

@@ -74,3 +74,11 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
     assert best["best"] <= best["bfd"]
     for name in ("throughput.png", "transfer.png", "packing.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG"
+    # balance section: both plans side by side, the target verdict, the CPU timing of both plans
+    assert "## Balance" in done.stdout
+    verdicts = [r["verdict"] for r in data["balance"] if r["verdict"]]
+    assert verdicts and all(v in ("pass", "FAIL") for v in verdicts)
+    for r in data["balance"]:
+        assert r["imbalance_compute_plan"] <= r["imbalance_token_plan"]
+    assert {r["mode"] for r in data["balance_timing"]} == {"token", "compute"}
+    assert all(r["slowest_rank_s"] >= r["ideal_s"] > 0 for r in data["balance_timing"])

@@ -1,0 +1,355 @@
+"""Compute-balanced global batches: which packed row goes to which (DP rank, micro-batch slot).
+
+All data-parallel ranks meet at the gradient all-reduce, so a step lasts as long as its most
+expensive rank. Rows hold the same number of tokens but not the same compute (`cost.CostModel`:
+``a * tokens + b * sum(len_i^2)``); this module spreads the costly rows over the ranks.
+
+Layout (the one `PackedDataset` serves): an *order* is a sequence of row indices, ``-1`` for a
+zero-loss filler row. Micro-batch ``j`` is ``order[j * R:(j + 1) * R]`` (``R`` rows per micro-batch)
+and goes to DP rank ``j % dp`` as that rank's item ``j // dp``; global batch (optimizer step) ``g``
+is micro-batches ``g * dp * M`` to ``(g + 1) * dp * M - 1``, ``M`` on each rank.
+
+    token plan    the seeded shuffle, dealt round-robin (what PackedDataset did before balance)
+    compute plan  the same shuffle, so every global batch holds the same rows as in the token
+                  plan, but inside each global batch the rows are re-dealt:
+                  1. rank sets: longest-processing-time first (each row, most expensive first,
+                     to the cheapest rank that still has a free slot: every rank gets exactly
+                     its M * R slots), then pairwise swaps between the most expensive rank and
+                     another that lower the maximum, until none does. The token plan's own
+                     assignment is refined the same way and the better of the two kept, so no
+                     global batch is ever worse than in the token plan;
+                  2. micro-batches on a rank: the same LPT + swaps over its M micro-batches;
+                  3. their order on the rank (pipeline parallelism): the cheapest micro-batch
+                     first and the second cheapest last, the others from most to least
+                     expensive. Correctness does not depend on it; the pipeline fill waits on
+                     the first micro-batch's forward and the drain on the last one's backward,
+                     so cheap ones there shorten the bubble.
+
+Worked example, rows with costs ``[8, 1, 8, 1]``, dp 2, M 2, R 1, seed 1 (whose shuffle keeps
+them in that order, `order_rows`). The token plan deals rows 0, 2 to rank 0 (cost 16) and rows 1, 3 to rank 1 (cost 2): imbalance 16 / 9 = 1.78.
+The compute plan's order is ``[1, 3, 0, 2]``: each rank runs a 1-cost row, then an 8-cost row
+(cost 9 each, imbalance 1.0). Packing efficiency does not change: the rows are the same.
+
+Besides re-dealing the token plan's global batches, `compute_order` tries global batches formed by
+`stratify` (random *layers* of ``dp_size`` rows of about the same cost, one row of each per rank)
+and keeps whichever candidate is more balanced.
+Measured here on the OpenChat V1 lengths (capacity 2,048, BFD, 4,673 rows), dp 8, M 4, with the
+Llama-3-8B cost (`cost.py`): imbalance 1.0090 (token plan) -> 1.0001; with ``b`` alone
+(``sum(len^2)``): 1.136 -> 1.0005; 20 ms to plan the epoch with one row per micro-batch
+(`layers.deal_layers`, vectorized), 0.2 s with two (per-batch Python).
+
+Imbalance (torchtitan #3938): the mean over global batches of ``max rank cost / mean rank cost``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BALANCE_MODES = ("token", "compute")
+"""Names accepted by ``balance=``: "token" keeps the shuffled order, "compute" balances it."""
+
+_MAX_SWAPS = 1_000
+"""Safety cap on the swap refinement of one partition (each swap strictly lowers the sorted loads)."""
+
+
+def check_balance(
+    balance: str | None,
+    *,
+    dp_size: int,
+    micro_batches: int,
+    rows_per_micro_batch: int,
+    cost: object,
+) -> None:
+    """Raise ValueError/TypeError naming the bad argument of a balanced plan, with the fix."""
+    if balance is not None and balance not in BALANCE_MODES:
+        raise ValueError(f"balance must be one of {BALANCE_MODES} or None, got {balance!r}")
+    sizes = {"dp_size": dp_size, "micro_batches": micro_batches}
+    sizes["rows_per_micro_batch"] = rows_per_micro_batch
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    from megapack.packing.cost import CostModel
+
+    if balance == "compute" and not isinstance(cost, CostModel):
+        raise TypeError(
+            f"balance='compute' needs cost=CostModel(...), got {type(cost).__name__}; "
+            "e.g. CostModel.from_shape(hidden=..., ffn=..., layers=..., heads=..., vocab=...)"
+        )
+
+
+def order_rows(
+    row_costs: np.ndarray,
+    *,
+    balance: str,
+    dp_size: int,
+    micro_batches: int,
+    rows_per_micro_batch: int = 1,
+    seed: int | tuple[int, ...] = 0,
+    pad: bool = True,
+) -> np.ndarray:
+    """The order in which a data loader deals rows (module docstring), for either plan.
+
+    Args:
+        row_costs: [rows] cost of every row (unused by the token plan).
+        balance: "token" (the seeded shuffle) or "compute" (`compute_order` of that shuffle).
+        dp_size, micro_batches, rows_per_micro_batch: the layout.
+        seed: the shuffle's seed (``np.random.default_rng(seed).permutation``).
+        pad: append ``-1`` filler rows up to whole global batches.
+
+    Example:
+        >>> costs = np.array([8.0, 1, 8, 1])
+        >>> order_rows(costs, balance="token", dp_size=2, micro_batches=2, seed=1).tolist()
+        [0, 1, 2, 3]
+        >>> order_rows(costs, balance="compute", dp_size=2, micro_batches=2, seed=1).tolist()
+        [1, 3, 0, 2]
+    """
+    seeds = (seed,) if isinstance(seed, int | np.integer) else tuple(seed)
+    order = np.random.default_rng(seeds).permutation(len(row_costs))
+    per_batch = dp_size * micro_batches * rows_per_micro_batch
+    if pad:
+        order = np.concatenate((order, np.full(-len(order) % per_batch, -1, dtype=np.int64)))
+    if balance == "token":
+        return order
+    return compute_order(
+        order, row_costs, dp_size=dp_size, micro_batches=micro_batches,
+        rows_per_micro_batch=rows_per_micro_batch, seed=(*seeds, 13),
+    )  # fmt: skip
+
+
+def partition(costs: np.ndarray, sizes: np.ndarray, start: np.ndarray | None = None) -> np.ndarray:
+    """Split items into groups of exactly ``sizes[k]`` items, keeping the costliest group cheap.
+
+    LPT with cardinalities (or ``start``, a group per item that already has the right sizes), then
+    pairwise swaps that lower the costliest group. Deterministic: ties go to the lower index.
+
+    Args:
+        costs: [n] float costs, >= 0.
+        sizes: [k] ints summing to n.
+        start: optional [n] group per item to refine instead of LPT.
+
+    Returns:
+        [n] int64 group of every item.
+
+    Example:
+        >>> partition(np.array([8.0, 1, 8, 1]), np.array([2, 2])).tolist()  # 8 + 1 each
+        [0, 0, 1, 1]
+    """
+    costs = np.asarray(costs, dtype=np.float64)
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if len(costs) == 0:
+        return np.zeros(0, dtype=np.int64)
+    if start is None:
+        group = np.empty(len(costs), dtype=np.int64)
+        loads = np.zeros(len(sizes))
+        room = sizes.copy()
+        for i in np.argsort(-costs, kind="stable"):
+            open_ = np.flatnonzero(room > 0)
+            k = open_[np.argmin(loads[open_])]
+            group[i] = k
+            loads[k] += costs[i]
+            room[k] -= 1
+    else:
+        group = np.array(start, dtype=np.int64)
+    _refine(costs, group, len(sizes))
+    return group
+
+
+def _refine(costs: np.ndarray, group: np.ndarray, k: int) -> None:
+    """Swap one item of the costliest group with one of another while that lowers the maximum."""
+    for _ in range(_MAX_SWAPS):
+        loads = np.bincount(group, weights=costs, minlength=k)
+        top = int(np.argmax(loads))
+        mine = np.flatnonzero(group == top)
+        best: tuple[float, int, int] | None = None
+        for other in np.argsort(loads, kind="stable"):
+            gap = loads[top] - loads[other]
+            if other == top or gap <= 1e-12 * loads[top]:
+                continue
+            theirs = np.flatnonzero(group == other)
+            if len(theirs) == 0:
+                continue
+            delta = costs[mine][:, None] - costs[theirs][None, :]  # how much moves from top
+            new_max = np.maximum(loads[top] - delta, loads[other] + delta)
+            new_max[delta <= 0] = np.inf
+            flat = int(np.argmin(new_max))
+            value = float(new_max.flat[flat])
+            if value < loads[top] * (1 - 1e-12) and (best is None or value < best[0]):
+                x, y = divmod(flat, len(theirs))
+                best = (value, int(mine[x]), int(theirs[y]))
+        if best is None:
+            return
+        _, i, j = best
+        group[i], group[j] = group[j], group[i]
+
+
+def balance_order(
+    order: np.ndarray,
+    row_costs: np.ndarray,
+    *,
+    dp_size: int,
+    micro_batches: int,
+    rows_per_micro_batch: int = 1,
+) -> np.ndarray:
+    """Re-deal each global batch of ``order`` so every DP rank's step costs about the same.
+
+    Args:
+        order: [N] row indices in token-plan order, ``-1`` for filler rows (cost 0).
+        row_costs: [rows] cost of every row (`CostModel.bin_costs`).
+        dp_size, micro_batches, rows_per_micro_batch: the layout of the module docstring. A last,
+            partial global batch is balanced within the slots each rank gets there.
+
+    Returns:
+        [N] the compute plan's order: the same entries, permuted within each global batch.
+    """
+    order = np.asarray(order, dtype=np.int64)
+    costs = np.where(order >= 0, np.asarray(row_costs, dtype=np.float64)[order], 0.0)
+    r, dp, m = rows_per_micro_batch, dp_size, micro_batches
+    out = order.copy()
+    for lo in range(0, len(order), dp * m * r):
+        hi = min(lo + dp * m * r, len(order))
+        micro = np.arange(hi - lo) // r  # micro-batch of each position, within this batch
+        rank = micro % dp
+        c = costs[lo:hi]
+        sizes = np.bincount(rank, minlength=dp)
+        candidates = [partition(c, sizes), partition(c, sizes, start=rank)]
+        maxima = [np.bincount(g, weights=c, minlength=dp).max() for g in candidates]
+        group = candidates[int(np.argmin(maxima))]
+        for k in range(dp):
+            items, slots = np.flatnonzero(group == k), np.flatnonzero(rank == k)
+            if len(slots) == 0:
+                continue
+            out[lo + slots] = order[lo + _within_rank(items, slots, micro, c)]
+    return out
+
+
+def _within_rank(
+    items: np.ndarray, slots: np.ndarray, micro: np.ndarray, costs: np.ndarray
+) -> np.ndarray:
+    """Items of one rank arranged over its slots: balanced micro-batches in pipeline order."""
+    slot_micro = micro[slots]
+    ids, sizes = np.unique(slot_micro, return_counts=True)
+    sub = partition(costs[items], sizes)
+    loads = np.bincount(sub, weights=costs[items], minlength=len(ids))
+    if np.all(sizes == sizes[0]):
+        rank_order = pipeline_order(loads).tolist()
+    else:  # a partial last micro-batch: group k was sized for ids[k]
+        rank_order = list(range(len(ids)))
+    arranged = np.empty(len(slots), dtype=np.int64)
+    for position, b in enumerate(rank_order):
+        target = slots[slot_micro == ids[position]]
+        arranged[np.searchsorted(slots, target)] = np.sort(items[sub == b])
+    return arranged
+
+
+def pipeline_order(costs: np.ndarray) -> np.ndarray:
+    """Indices that put micro-batch costs (last axis) in pipeline order (module docstring).
+
+    The cheapest first, the second cheapest last, the others from most to least expensive.
+
+    Example:
+        >>> pipeline_order(np.array([5.0, 1, 3, 2, 4])).tolist()  # costs 1, 5, 4, 3, 2
+        [1, 0, 4, 2, 3]
+    """
+    ascending = np.argsort(costs, axis=-1, kind="stable")
+    m = ascending.shape[-1]
+    if m <= 2:
+        return ascending
+    return ascending[..., [0, *range(m - 1, 1, -1), 1]]
+
+
+def compute_order(
+    order: np.ndarray,
+    row_costs: np.ndarray,
+    *,
+    dp_size: int,
+    micro_batches: int,
+    rows_per_micro_batch: int = 1,
+    seed: int | tuple[int, ...] = 0,
+) -> np.ndarray:
+    """The compute plan for a token-plan ``order``: balanced global batches, balanced ranks.
+
+    Two candidates: (2) `layers.stratify`, global batches made of layers of ``dp_size``
+    similar rows, then dealt (`layers.deal_layers`, vectorized, for one row per micro-batch;
+    `balance_order` otherwise), kept if it is at least as balanced as the token plan; otherwise
+    the better of it and (1) `balance_order` of ``order`` itself (the same global batches, each
+    no worse than in the token plan). Either way never less balanced than the token plan.
+
+    Args:
+        order: [N] token-plan order (``-1`` for filler rows, which `stratify` keeps in the last
+            global batch).
+        row_costs: [rows] cost of every row.
+        dp_size, micro_batches, rows_per_micro_batch: the layout (module docstring).
+        seed: seeds `stratify` (e.g. ``(seed, epoch)``).
+
+    Returns:
+        [N] order: the same entries, each real row exactly once.
+    """
+    layout = {"dp_size": dp_size, "micro_batches": micro_batches}
+    layout["rows_per_micro_batch"] = rows_per_micro_batch
+    from megapack.packing.layers import deal_layers, stratify
+
+    layered = stratify(order, row_costs, dp_size, np.random.default_rng(seed))
+    if rows_per_micro_batch == 1:
+        layered = deal_layers(layered, row_costs, dp_size=dp_size, micro_batches=micro_batches)
+    else:
+        layered = balance_order(layered, row_costs, **layout)
+    if imbalance(layered, row_costs, **layout) <= imbalance(order, row_costs, **layout):
+        return layered  # (1) can only do better than the token plan; skip computing it
+    same_batches = balance_order(order, row_costs, **layout)
+    if imbalance(same_batches, row_costs, **layout) < imbalance(layered, row_costs, **layout):
+        return same_batches
+    return layered
+
+
+def rank_costs(
+    order: np.ndarray,
+    row_costs: np.ndarray,
+    *,
+    dp_size: int,
+    micro_batches: int,
+    rows_per_micro_batch: int = 1,
+) -> np.ndarray:
+    """[global batches, dp_size] step cost of every rank (a partial last batch padded with 0)."""
+    order = np.asarray(order, dtype=np.int64)
+    costs = np.where(order >= 0, np.asarray(row_costs, dtype=np.float64)[order], 0.0)
+    per_batch = dp_size * micro_batches * rows_per_micro_batch
+    costs = np.concatenate((costs, np.zeros(-len(costs) % per_batch)))
+    micro = costs.reshape(-1, rows_per_micro_batch).sum(axis=1)
+    return micro.reshape(-1, micro_batches, dp_size).sum(axis=1)
+
+
+def imbalance(
+    order: np.ndarray,
+    row_costs: np.ndarray,
+    *,
+    dp_size: int,
+    micro_batches: int,
+    rows_per_micro_batch: int = 1,
+) -> float:
+    """Mean over the full global batches of ``max rank cost / mean rank cost`` (1.0: perfect).
+
+    A global batch with filler rows (the last one, when the rows do not fill it) is left out: no
+    plan balances one real row over eight ranks, and what a filler row costs depends on the
+    kernel. Only when no batch is full are all of them counted.
+
+    Example, costs ``[3, 1, 2, 2]``, dp 2, one micro-batch of one row: rank costs ``[3, 1]`` and
+    ``[2, 2]``, imbalance ``(3 / 2 + 2 / 2) / 2``:
+
+        >>> imbalance(np.arange(4), np.array([3.0, 1, 2, 2]), dp_size=2, micro_batches=1)
+        1.25
+    """
+    order = np.asarray(order, dtype=np.int64)
+    layout = {"dp_size": dp_size, "micro_batches": micro_batches}
+    steps = rank_costs(order, row_costs, **layout, rows_per_micro_batch=rows_per_micro_batch)
+    per_batch = dp_size * micro_batches * rows_per_micro_batch
+    padded = np.concatenate((order, np.full(-len(order) % per_batch, -1, dtype=np.int64)))
+    full = (padded.reshape(-1, per_batch) >= 0).all(axis=1)
+    if full.any():
+        steps = steps[full]
+    mean = steps.mean(axis=1)
+    keep = mean > 0
+    if not keep.any():
+        return 1.0
+    return float(np.round(np.mean(steps[keep].max(axis=1) / mean[keep]), 12))

@@ -1,0 +1,246 @@
+"""megapack.packing.balance: compute-balanced plans keep every invariant of the token plan, are never
+less balanced, and are reproducible; worked examples; a brute-force check of small partitions."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import itertools
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megapack.packing import CostModel, plan
+from megapack.packing.balance import (
+    balance_order,
+    compute_order,
+    imbalance,
+    order_rows,
+    partition,
+    pipeline_order,
+    rank_costs,
+)
+from megapack.packing.layers import deal_layers, stratify
+
+SQUARES = CostModel(a=0, b=1)
+
+
+def test_balance_worked_example_from_the_module_docstring() -> None:
+    costs = np.array([8.0, 1, 8, 1])
+    layout = {"dp_size": 2, "micro_batches": 2}
+    token = order_rows(costs, balance="token", **layout, seed=1)
+    assert token.tolist() == [0, 1, 2, 3]
+    assert rank_costs(token, costs, **layout).tolist() == [[16.0, 2.0]]
+    assert imbalance(token, costs, **layout) == pytest.approx(16 / 9)
+    balanced = order_rows(costs, balance="compute", **layout, seed=1)
+    assert rank_costs(balanced, costs, **layout).tolist() == [[9.0, 9.0]]
+    # pipeline order on a rank with two micro-batches: the cheaper one first
+    assert costs[balanced].tolist() == [1.0, 1.0, 8.0, 8.0]
+
+
+def test_balance_partition_respects_sizes_and_finds_the_split() -> None:
+    costs = np.array([7.0, 5, 4, 3, 3, 2])
+    group = partition(costs, np.array([3, 3]))
+    assert np.bincount(group).tolist() == [3, 3]
+    assert sorted(np.bincount(group, weights=costs).tolist()) == [12.0, 12.0]
+    group = partition(costs, np.array([1, 5]))  # uneven sizes: 7 alone, the rest together
+    assert np.bincount(group).tolist() == [1, 5]
+    assert np.bincount(group, weights=costs).tolist() == [7.0, 17.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    costs=st.lists(st.integers(0, 50), min_size=2, max_size=7),
+    groups=st.integers(1, 4),
+)
+def test_balance_partition_close_to_brute_force(costs: list[int], groups: int) -> None:
+    n = len(costs) - len(costs) % groups or groups
+    values = np.array((costs * groups)[:n], dtype=np.float64)
+    sizes = np.full(groups, n // groups)
+    got = np.bincount(partition(values, sizes), weights=values, minlength=groups)
+    assert np.bincount(partition(values, sizes), minlength=groups).tolist() == sizes.tolist()
+    best = min(
+        max(
+            sum(values[list(p[k * (n // groups) : (k + 1) * (n // groups)])]) for k in range(groups)
+        )
+        for p in itertools.permutations(range(n))
+    )
+    # LPT with cardinalities is within 4/3 of the optimum; the swaps only lower it
+    assert got.max() <= best * 4 / 3 + 1e-9
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> dict:
+    capacity = draw(st.integers(4, 64))
+    lengths = draw(st.lists(st.integers(1, 2 * capacity), min_size=1, max_size=80))
+    return {
+        "lengths": lengths,
+        "capacity": capacity,
+        "dp_size": draw(st.integers(1, 5)),
+        "micro_batches": draw(st.integers(1, 4)),
+        "rows_per_micro_batch": draw(st.integers(1, 3)),
+        "seed": draw(st.integers(0, 2**16)),
+        "cost": CostModel(a=draw(st.sampled_from([0.0, 1.0, 50.0])), b=1.0),
+    }
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=cases())
+def test_balance_plans_keep_the_invariants_and_never_lose_to_the_token_plan(case: dict) -> None:
+    lengths, capacity = case.pop("lengths"), case.pop("capacity")
+    base = plan(lengths, capacity)
+    token = plan(lengths, capacity, balance="token", **case)
+    compute = plan(lengths, capacity, balance="compute", **case)
+    for p in (token, compute):
+        p.validate()  # no row over the cap, no empty row
+        # the same rows, each exactly once: each document's tokens exactly once
+        assert Counter(map(tuple, p.bins)) == Counter(map(tuple, base.bins))
+        assert p.efficiency == base.efficiency
+    layout = {k: case[k] for k in ("dp_size", "micro_batches", "rows_per_micro_batch")}
+    cost = case["cost"]
+    i_token = imbalance(
+        np.arange(token.num_bins), cost.bin_costs(token.slices, token.bin_offsets), **layout
+    )
+    i_compute = imbalance(
+        np.arange(compute.num_bins), cost.bin_costs(compute.slices, compute.bin_offsets), **layout
+    )
+    assert 1.0 <= i_compute <= i_token + 1e-9
+    # reproducible with a seed
+    assert plan(lengths, capacity, balance="compute", **case) == compute
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=cases())
+def test_balance_padded_orders_give_every_rank_the_same_micro_batches(case: dict) -> None:
+    rows = plan(case.pop("lengths"), case.pop("capacity"))
+    costs = case.pop("cost").bin_costs(rows.slices, rows.bin_offsets)
+    dp, m, r = case["dp_size"], case["micro_batches"], case["rows_per_micro_batch"]
+    token = order_rows(costs, balance="token", **case)
+    compute = order_rows(costs, balance="compute", **case)
+    per_batch = dp * m * r
+    for order in (token, compute):
+        assert len(order) % per_batch == 0  # whole steps: M micro-batches on every rank
+        assert len(order) - per_batch < rows.num_bins <= len(order)
+        assert sorted(order[order >= 0].tolist()) == list(range(rows.num_bins))
+    # the filler rows stay in the last global batch: each full batch is all real rows
+    assert (compute[: rows.num_bins // per_batch * per_batch] >= 0).all()
+    layout = {"dp_size": dp, "micro_batches": m, "rows_per_micro_batch": r}
+    assert imbalance(compute, costs, **layout) <= imbalance(token, costs, **layout) + 1e-9
+    assert order_rows(costs, balance="compute", **case).tolist() == compute.tolist()
+
+
+def test_balance_within_batches_never_worse_per_batch() -> None:
+    rng = np.random.default_rng(0)
+    costs = rng.pareto(1.5, 400) + 1
+    order = rng.permutation(400)
+    layout = {"dp_size": 4, "micro_batches": 5, "rows_per_micro_batch": 2}
+    balanced = balance_order(order, costs, **layout)
+    before = rank_costs(order, costs, **layout).max(axis=1)
+    after = rank_costs(balanced, costs, **layout).max(axis=1)
+    assert (after <= before + 1e-9).all() and after.sum() < before.sum()
+    # each global batch keeps its rows
+    per_batch = 40
+    for lo in range(0, 400, per_batch):
+        assert sorted(balanced[lo : lo + per_batch]) == sorted(order[lo : lo + per_batch])
+
+
+def test_balance_micro_batch_order_on_a_rank() -> None:
+    costs = np.array([5.0, 1, 3, 2, 4])  # one rank, five micro-batches of one row
+    order = balance_order(np.arange(5), costs, dp_size=1, micro_batches=5)
+    # the cheapest first, the second cheapest last, the others from most to least expensive
+    assert costs[order].tolist() == [1.0, 5.0, 4.0, 3.0, 2.0]
+
+
+def test_balance_stratify_builds_layers_of_similar_rows() -> None:
+    costs = np.array([5.0, 1, 4, 2, 9, 3, 7])
+    out = stratify(np.arange(7), costs, 2, np.random.default_rng(0))
+    layers = {frozenset(layer) for layer in out[:6].reshape(3, 2).tolist()}
+    assert layers == {frozenset({4, 6}), frozenset({0, 2}), frozenset({5, 3})}  # 9 7 | 5 4 | 3 2
+    assert out[6] == 1  # the short last layer: the cheapest row
+    padded = stratify(np.array([0, 1, 2, -1]), costs[:3], 2, np.random.default_rng(0))
+    assert sorted(padded[:3]) == [0, 1, 2] and padded[3] == -1
+    # seeded: the same layers in an order that depends on the generator only
+    again = stratify(np.arange(7), costs, 2, np.random.default_rng(0))
+    assert again.tolist() == out.tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    costs=st.lists(st.floats(0, 100), min_size=1, max_size=60),
+    dp=st.integers(1, 5),
+    m=st.integers(1, 4),
+)
+def test_balance_deal_layers_matches_the_per_batch_deal(
+    costs: list[float], dp: int, m: int
+) -> None:
+    values = np.array(costs)
+    layered = stratify(np.arange(len(values)), values, dp, np.random.default_rng(0))
+    fast = deal_layers(layered, values, dp_size=dp, micro_batches=m)
+    slow = balance_order(layered, values, dp_size=dp, micro_batches=m)
+    assert sorted(fast.tolist()) == list(range(len(values)))
+    per_batch = dp * m
+    for lo in range(0, len(values), per_batch):  # the same rows in every global batch
+        assert sorted(fast[lo : lo + per_batch]) == sorted(layered[lo : lo + per_batch])
+    layout = {"dp_size": dp, "micro_batches": m}
+    fast_max = rank_costs(fast, values, **layout).max(axis=1)
+    slow_max = rank_costs(slow, values, **layout).max(axis=1)
+    # the layer deal (then swaps) is as good as LPT + swaps within 4/3 and usually equal
+    assert (fast_max <= slow_max * 4 / 3 + 1e-9).all()
+    # every rank's micro-batches in pipeline order
+    steps = values[fast[: len(values) // per_batch * per_batch]].reshape(-1, m, dp)
+    for step in steps:
+        for r in range(dp):
+            mine = step[:, r]
+            assert mine.tolist() == mine[pipeline_order(mine)].tolist()
+
+
+def test_balance_compute_order_improves_a_long_tail() -> None:
+    lengths = np.random.default_rng(1).lognormal(4, 1.2, 3000).astype(int) + 1
+    rows = plan(lengths, 512)
+    costs = SQUARES.bin_costs(rows.slices, rows.bin_offsets)
+    layout = {"dp_size": 8, "micro_batches": 4}
+    token = order_rows(costs, balance="token", **layout)
+    compute = compute_order(token, costs, **layout, seed=3)
+    before, after = imbalance(token, costs, **layout), imbalance(compute, costs, **layout)
+    assert after - 1 < (before - 1) / 2, (before, after)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"balance": "flops"}, ValueError, "balance must be one of"),
+        ({"balance": "compute"}, TypeError, "needs cost=CostModel"),
+        ({"balance": "token", "dp_size": 0}, ValueError, "dp_size must be >= 1"),
+        ({"balance": "token", "micro_batches": 2.0}, TypeError, "micro_batches must be an int"),
+    ],
+)
+def test_balance_bad_arguments_are_named(kwargs: dict, error: type, words: str) -> None:
+    with pytest.raises(error, match=words):
+        plan([3, 2, 4], 5, **kwargs)
+
+
+def test_balance_docstrings() -> None:
+    for name in (
+        "megapack.packing.balance",
+        "megapack.packing.layers",
+        "megapack.packing.pack_plan",
+    ):
+        assert doctest.testmod(importlib.import_module(name)).failed == 0
+
+
+def test_balance_compare_plans_reports_both() -> None:
+    from megapack.packing.compare import compare_plans
+
+    lengths = np.random.default_rng(2).lognormal(4, 1.2, 2000).astype(int) + 1
+    r = compare_plans(lengths, 512, dp_size=4, micro_batches=2, cost=SQUARES)
+    assert r["imbalance_compute_plan"] <= r["imbalance_token_plan"]
+    assert r["imbalance_compute_plan"] < 1.01 < r["imbalance_token_plan"]
+    rows = plan(lengths, 512)
+    assert r["rows"] == rows.num_bins and r["global_batches"] == rows.num_bins // 8
+    padded = -(-rows.num_bins // 8) * 8
+    assert r["efficiency_token_plan"] == r["efficiency_compute_plan"]
+    assert r["efficiency_token_plan"] == pytest.approx(rows.packed_tokens / (padded * 512))
+    assert doctest.testmod(importlib.import_module("megapack.packing.compare")).failed == 0
