@@ -179,6 +179,7 @@ class HFChatTemplate:
             BadLineError: the template refuses the conversation (its ``raise_exception``).
             ChatTemplateError: no generation markers and the template is not prefix-stable.
         """
+        tokenizer = getattr(tokenizer, "base", tokenizer)  # a reader's batch cache wraps it
         if not isinstance(tokenizer, HFTokenizer):
             raise TypeError(
                 f"HFChatTemplate.render: tokenizer must be an HFTokenizer (the template's own), "

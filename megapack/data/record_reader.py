@@ -235,9 +235,7 @@ def convert_rows(
             records.append(_record(row))
         except BadLineError as e:
             records.append(e)
-    template = options.get("chat_template")
-    if template is None or isinstance(template, ChatTemplate):
-        tokenizer = Prefetched(tokenizer, _texts(records, options))
+    tokenizer = Prefetched(tokenizer, _texts(records, options))
     out: list[Document | BadLineError] = []
     for row, record in zip(rows, records, strict=True):
         if isinstance(record, BadLineError):
@@ -274,7 +272,9 @@ class Prefetched:
 
 
 def _texts(records: list[Any], options: dict[str, Any]) -> list[str]:
-    """The distinct string fields of the records, to encode in one batch."""
+    """The distinct string fields of the records, to encode in one batch (a model's own chat
+    template renders whole conversations itself: their contents are not worth encoding alone)."""
+    own_template = not isinstance(options.get("chat_template") or ChatTemplate(), ChatTemplate)
     fields = options.get("fields")
     names = (
         (fields.text, fields.prompt, fields.completion, fields.messages)
@@ -289,7 +289,7 @@ def _texts(records: list[Any], options: dict[str, Any]) -> list[str]:
             value = record.get(name)
             if isinstance(value, str):
                 texts[value] = None
-            elif isinstance(value, list):
+            elif isinstance(value, list) and not own_template:
                 for message in value:
                     content = message.get("content") if isinstance(message, dict) else None
                     if isinstance(content, str):
