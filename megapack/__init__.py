@@ -13,6 +13,7 @@ from megapack.errors import (
     RemoteDataError,
     RemoteRankError,
 )
+from megapack.prefetcher import Prefetcher, prefetch
 from megapack.sync import check_in_sync, lockstep
 from megapack.topology import Stage, Topology
 from megapack.transfer import get_batch_on_this_tp_rank
@@ -23,6 +24,7 @@ __all__ = [
     "CollectiveError",
     "DesyncError",
     "PackedBatch",
+    "Prefetcher",
     "ProtocolError",
     "RemoteDataError",
     "RemoteRankError",
@@ -33,5 +35,6 @@ __all__ = [
     "get_batch_on_this_tp_rank",
     "lockstep",
     "long_operation",
+    "prefetch",
 ]
 __version__ = "0.1.0"

@@ -28,14 +28,16 @@ per-document SDPA loop (T=2,048 in 16 documents: 0.87 s vs 0.016 s forward).
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
-import warnings
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
+
+from megapack.attention_cp import CpPlan, apply_rope, cp_attention, sbhd_cp_attention
+from megapack.attention_kernels import KERNELS, Documents, sbhd_attention, zero_padding
+from megapack.cp import CP_LAYOUTS, CpLayout
 
 BACKENDS = ("flash_attn", "te", "torch_varlen", "flex", "sdpa")
 _NO_DROPOUT = frozenset({"torch_varlen", "flex"})
@@ -98,6 +100,15 @@ class PackedAttention(torch.nn.Module):
         attention_dropout: overrides ``config.attention_dropout``.
         softmax_scale: defaults to 1 / sqrt(head dim).
         backend: one of `BACKENDS` or ``"auto"`` (resolved per device on first use).
+        cp_layout: how packed rows are split over context-parallel ranks ("document" or "row",
+            as in `megapack.cp`); only read when the CP group has more than one rank.
+
+    Context parallelism: the CP group is ``packed_seq_params.cp_group``, else ``pg_collection.cp``,
+    else megatron-core's parallel state. With more than one CP rank, Transformer Engine runs its
+    own THD CP ("document" layout only); every other backend runs `megapack.attention_cp`. RoPE is
+    then applied here, from each token's position in its document, when `megapack.megatron`'s
+    self-attention hands the table over in ``rope`` (megatron-core's own THD RoPE cannot place the
+    "row" layout's tokens).
     """
 
     def __init__(
@@ -112,17 +123,15 @@ class PackedAttention(torch.nn.Module):
         pg_collection: Any = None,
         *,
         backend: str = "auto",
+        cp_layout: CpLayout = "document",
     ) -> None:
         super().__init__()
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(
                 f"unknown attention backend {backend!r}; choose one of {BACKENDS} or 'auto'"
             )
-        if getattr(config, "context_parallel_size", 1) != 1:
-            raise ValueError(
-                f"PackedAttention does not split documents across context-parallel ranks "
-                f"(context_parallel_size={config.context_parallel_size}); use Transformer Engine's spec"
-            )
+        if cp_layout not in CP_LAYOUTS:
+            raise ValueError(f"cp_layout must be one of {CP_LAYOUTS}, got {cp_layout!r}")
         if getattr(config, "window_size", None) is not None:
             raise ValueError(
                 f"PackedAttention has no sliding window (window_size={config.window_size})"
@@ -157,6 +166,12 @@ class PackedAttention(torch.nn.Module):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
         self._te: Any = None
+        self.config = config
+        self.cp_layout = cp_layout
+        self.cp_comm_type = cp_comm_type
+        self._cp_group = getattr(pg_collection, "cp", None)
+        self.rope: Any = None
+        """(query table, key table) for the next forward, set by `megapack.megatron`'s attention."""
 
     def forward(
         self,
@@ -171,25 +186,79 @@ class PackedAttention(torch.nn.Module):
         if attention_bias is not None:
             raise ValueError("PackedAttention does not support attention_bias")
         dropout = self.dropout if self.training else 0.0
+        rope, self.rope = self.rope, None
+        group = self.context_parallel_group(packed_seq_params)
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
-            return _sbhd_attention(query, key, value, attention_mask, self.softmax_scale, dropout)
+            if group is not None:
+                return sbhd_cp_attention(query, key, value, attention_mask, group=group, scale=self.softmax_scale, dropout=dropout)  # fmt: skip
+            return sbhd_attention(query, key, value, attention_mask, self.softmax_scale, dropout)
         if query.dim() != 3:
             raise ValueError(f"THD query must be [T, heads, dim], got shape {tuple(query.shape)}")
         needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
         name = resolve_backend(self.backend, query.device, training=needs_grad, dropout=dropout)
         docs = Documents.from_params(packed_seq_params, total=query.shape[0])
+        if group is not None:
+            return self._cp_forward(query, key, value, docs, group, name, rope, dropout)
         if name == "te":
             out = self._te_attention(query, key, value, docs, dropout)
         else:
             out = KERNELS[name](query, key, value, docs, self.softmax_scale, dropout)
         return out.reshape(query.shape[0], -1)
 
+    def context_parallel_group(self, params: Any) -> Any:
+        """The CP group when it has more than one rank, else None."""
+        group = getattr(params, "cp_group", None)
+        group = self._cp_group if group is None else group
+        if group is None and getattr(self.config, "context_parallel_size", 1) > 1:
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_context_parallel_group()
+        return group if group is not None and dist.get_world_size(group) > 1 else None
+
+    def _cp_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, group: Any,
+        name: str, rope: Any, dropout: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """THD attention of this CP rank's share (see `megapack.attention_cp`)."""
+        if name == "te" and self.cp_layout != "document":
+            raise ValueError(
+                f"Transformer Engine's THD context parallelism needs cp_layout='document', got "
+                f"{self.cp_layout!r}; use another backend for the row layout"
+            )
+        plan = CpPlan.build(
+            docs.cu_buffer, docs.cu_real, cp_size=dist.get_world_size(group),
+            cp_rank=dist.get_rank(group), layout=self.cp_layout, local_total=q.shape[0],
+        )  # fmt: skip
+        if rope is not None:
+            q_table, k_table = rope if isinstance(rope, tuple) else (rope, rope)
+            q = apply_rope(q, q_table, plan.offsets, self.config)
+            k = apply_rope(k, k_table, plan.offsets, self.config)
+        if name == "te":
+            out = self._te_attention(q, k, v, docs, dropout, cp_group=group)
+        else:
+            out = cp_attention(
+                q, k, v, plan, docs.cu_buffer, group=group, layout=self.cp_layout,
+                kernel=name, scale=self.softmax_scale, dropout=dropout,
+            )  # fmt: skip
+        return out.reshape(q.shape[0], -1)
+
     def _te_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, dropout: float
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, dropout: float,
+        cp_group: Any = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Transformer Engine's THD attention; with ``cp_group``, its native context parallelism.
+
+        Untested here (CUDA only). TE takes the CP group, its global ranks, a side stream and the
+        comm type ("p2p" unless megatron-core passed ``cp_comm_type``) at construction, and wants
+        the whole row's ``cu_seqlens`` with this rank's "document"-layout share of the tokens.
+        """
         if self._te is None:
             import transformer_engine.pytorch as te
 
+            cp_args = {} if cp_group is None else {
+                "cp_group": cp_group, "cp_global_ranks": dist.get_process_group_ranks(cp_group),
+                "cp_stream": torch.cuda.Stream(), "cp_comm_type": self.cp_comm_type or "p2p",
+            }  # fmt: skip
             module = te.DotProductAttention(
                 self.heads_per_partition,
                 self.head_dim,
@@ -198,6 +267,7 @@ class PackedAttention(torch.nn.Module):
                 qkv_format="thd",
                 attn_mask_type="padding_causal",
                 softmax_scale=self.softmax_scale,
+                **cp_args,
             )
             object.__setattr__(
                 self, "_te", module
@@ -210,172 +280,7 @@ class PackedAttention(torch.nn.Module):
             cu_seqlens_q_padded=docs.cu_buffer, cu_seqlens_kv_padded=docs.cu_buffer,
             max_seqlen_q=docs.max_seqlen, max_seqlen_kv=docs.max_seqlen,
         )  # fmt: skip
-        return _zero_padding(out.reshape(q.shape[0], q.shape[1], -1), docs)
-
-
-class Documents:
-    """Document boundaries of a THD buffer: real lengths and buffer offsets (equal without padding)."""
-
-    def __init__(
-        self, cu_real: torch.Tensor, cu_buffer: torch.Tensor, max_seqlen: int, total: int
-    ) -> None:
-        self.cu_real = cu_real
-        self.cu_buffer = cu_buffer
-        self.max_seqlen = max_seqlen
-        self.total = total
-        self.padded = cu_buffer is not cu_real
-
-    @classmethod
-    def from_params(cls, params: Any, total: int) -> Documents:
-        cu_real = params.cu_seqlens_q
-        cu_buffer = (
-            params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else cu_real
-        )
-        kv = params.cu_seqlens_kv
-        # Identity first: megapack passes one tensor for q and kv, so no device sync happens here.
-        if kv is not None and kv is not cu_real and not torch.equal(kv, cu_real):
-            raise ValueError(
-                "PackedAttention is self-attention: cu_seqlens_kv must equal cu_seqlens_q"
-            )
-        return cls(cu_real, cu_buffer, int(params.max_seqlen_q), total)
-
-    def segment_ids(self) -> torch.Tensor:
-        """[T] index of the document each buffer position belongs to (on device, no host sync)."""
-        positions = torch.arange(self.total, device=self.cu_buffer.device)
-        return torch.searchsorted(self.cu_buffer[1:].to(torch.int64), positions, right=True)
-
-    def real_positions(self) -> torch.Tensor | None:
-        """[T] bool, False on alignment padding; None when nothing is padded."""
-        if not self.padded:
-            return None
-        seg = self.segment_ids().clamp(max=len(self.cu_real) - 2)
-        positions = torch.arange(self.total, device=self.cu_buffer.device)
-        lengths = (self.cu_real[1:] - self.cu_real[:-1]).to(torch.int64)
-        return (positions - self.cu_buffer[seg].to(torch.int64)) < lengths[seg]
-
-
-def _zero_padding(out: torch.Tensor, docs: Documents) -> torch.Tensor:
-    real = docs.real_positions()
-    return out if real is None else out * real[:, None, None].to(out.dtype)
-
-
-def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float, dropout: float
-) -> torch.Tensor:
-    """Reference: one causal scaled_dot_product_attention per document. One host sync for boundaries."""
-    starts, ends = docs.cu_buffer.tolist(), docs.cu_real.tolist()
-    gqa = q.shape[1] != k.shape[1]
-    pieces = []
-    for i in range(len(starts) - 1):
-        a, n, width = starts[i], ends[i + 1] - ends[i], starts[i + 1] - starts[i]
-        # 4-D [1, heads, n, dim]: 3-D inputs fall back to the math kernel on CPU (measured 5x slower)
-        o = F.scaled_dot_product_attention(
-            q[None, a : a + n].transpose(1, 2), k[None, a : a + n].transpose(1, 2), v[None, a : a + n].transpose(1, 2),
-            is_causal=True, scale=scale, dropout_p=dropout, enable_gqa=gqa,
-        )  # fmt: skip
-        pieces.append(o[0].transpose(0, 1))
-        if width > n:
-            pieces.append(q.new_zeros(width - n, q.shape[1], v.shape[2]))
-    if starts[-1] < q.shape[0]:
-        pieces.append(q.new_zeros(q.shape[0] - starts[-1], q.shape[1], v.shape[2]))
-    return torch.cat(pieces)
-
-
-def flex_attention_thd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float, dropout: float
-) -> torch.Tensor:
-    """flex_attention with a block mask that is causal and document-local; compiled on CUDA."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    seg = docs.segment_ids()
-    real = docs.real_positions()
-
-    def document_causal(b: Any, h: Any, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
-        keep = (seg[qi] == seg[ki]) & (qi >= ki)
-        return keep if real is None else keep & (real[ki] | (qi == ki))
-
-    total = q.shape[0]
-    mask = create_block_mask(document_causal, None, None, total, total, device=q.device)
-    run = _compiled_flex() if q.is_cuda else flex_attention
-    with (
-        warnings.catch_warnings()
-    ):  # on CPU the unfused eager path is deliberate (no compiler needed)
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = run(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-        )  # fmt: skip
-    return _zero_padding(out[0].transpose(0, 1), docs)
-
-
-def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float, dropout: float
-) -> torch.Tensor:
-    """torch.nn.attention.varlen.varlen_attn over buffer segments, causal (window (-1, 0))."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    cu = docs.cu_buffer.to(torch.int32)
-    out = varlen_attn(
-        q, k, v, cu, cu, docs.max_seqlen, docs.max_seqlen,
-        scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1],
-    )  # fmt: skip
-    return _zero_padding(out, docs)  # type: ignore[arg-type]
-
-
-def flash_attn_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float, dropout: float
-) -> torch.Tensor:
-    """flash_attn_varlen_func over buffer segments, causal; grouped-query attention is native."""
-    from flash_attn import flash_attn_varlen_func
-
-    cu = docs.cu_buffer.to(torch.int32)
-    out = flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        cu,
-        cu,
-        docs.max_seqlen,
-        docs.max_seqlen,
-        dropout_p=dropout,
-        softmax_scale=scale,
-        causal=True,
-    )
-    return _zero_padding(out, docs)
-
-
-KERNELS = {
-    "sdpa": sdpa_attention,
-    "flex": flex_attention_thd,
-    "torch_varlen": varlen_attention,
-    "flash_attn": flash_attn_attention,
-}
-
-
-def _sbhd_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    dropout: float,
-) -> torch.Tensor:
-    """Padded batches: causal attention, or megatron's mask (True = masked out) when one is given."""
-    s, b = q.shape[0], q.shape[1]
-    qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, heads, s, hn]
-    allowed = None if mask is None else ~mask.to(torch.bool)
-    out = F.scaled_dot_product_attention(
-        qb, kb, vb, attn_mask=allowed, is_causal=mask is None, scale=scale, dropout_p=dropout,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )  # fmt: skip
-    return out.permute(2, 0, 1, 3).reshape(s, b, -1)
-
-
-@functools.cache
-def _compiled_flex() -> Any:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=True)
+        return zero_padding(out.reshape(q.shape[0], q.shape[1], -1), docs)
 
 
 def _has_module(name: str) -> bool:

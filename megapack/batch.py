@@ -26,13 +26,15 @@ uninitialized.
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from megapack.sft import merge_rows
 
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -118,19 +120,20 @@ class PackedBatch:
                 raise ValueError(
                     f"PackedBatch.cu_seqlens_padded ends at {padded[-1]} but the buffer has T={total} tokens"
                 )
-            for i in range(len(real) - 1):
-                if padded[i + 1] - padded[i] < real[i + 1] - real[i]:
-                    raise ValueError(
-                        f"PackedBatch.cu_seqlens_padded segment {i} holds {padded[i + 1] - padded[i]} "
-                        f"positions but document {i} has {real[i + 1] - real[i]} tokens"
-                    )
+            short = np.flatnonzero(np.diff(padded) < np.diff(real))
+            if len(short):
+                i = int(short[0])
+                raise ValueError(
+                    f"PackedBatch.cu_seqlens_padded segment {i} holds {padded[i + 1] - padded[i]} "
+                    f"positions but document {i} has {real[i + 1] - real[i]} tokens"
+                )
             segments = padded
         if not isinstance(self.max_seqlen, int) or isinstance(self.max_seqlen, bool):
             raise TypeError(
                 f"PackedBatch.max_seqlen must be a Python int, got {type(self.max_seqlen).__name__} "
                 f"({self.max_seqlen!r}); use int(...)"
             )
-        longest = max(b - a for a, b in itertools.pairwise(segments))
+        longest = int(np.diff(segments).max())
         if self.max_seqlen < longest:
             raise ValueError(
                 f"PackedBatch.max_seqlen={self.max_seqlen} is below the longest segment ({longest})"
@@ -268,8 +271,9 @@ class PackedBatch:
             batch: ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` of shape [b, s] and
                 ``cu_seqlens`` of shape [b, k] (or [k] when b == 1): each row's boundaries start
                 at 0, end at s, and are padded after that with -1 or with repeats of s. Optional
-                ``max_seqlen`` (int or tensor; at least the longest document). ``attention_mask``
-                and ``cu_seqlens_argmin`` are redundant with the boundaries and ignored.
+                ``max_seqlen`` (int or tensor; at least the longest document) and
+                ``cu_seqlens_padded`` [b, k'] (per-document padding: then ``cu_seqlens`` holds
+                the real lengths, see `megapack.sft`). Other keys are not read here.
 
         Returns:
             A validated PackedBatch of T = b * s tokens with row offsets added to the boundaries.
@@ -278,28 +282,55 @@ class PackedBatch:
             rows of s=4 with cu_seqlens ``[[0, 3, 4, -1], [0, 4, 4, 4]]`` merge into
             ``cu_seqlens [0, 3, 4, 8]``.
         """
-        from megapack.sft import merge_rows
-
-        return merge_rows(batch)
+        merged = merge_rows(batch)
+        dtypes = {"loss_mask": MASK_DTYPE}
+        return cls(
+            **{k: v.to(dtypes.get(k, TOKEN_DTYPE)) for k, v in merged.grid.items()},
+            cu_seqlens=merged.cu_seqlens,
+            cu_seqlens_padded=merged.cu_seqlens_padded,
+            max_seqlen=merged.max_seqlen,
+        ).validate()
 
 
 def make_packed_seq_params(
-    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None, max_seqlen: int
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    max_seqlen: int,
+    *,
+    cp_group: Any = None,
+    local_cp_size: int | None = None,
 ) -> PackedSeqParams:
-    """megatron-core ``PackedSeqParams`` in THD format with Python-int maxima."""
+    """megatron-core ``PackedSeqParams`` in THD format with Python-int maxima.
+
+    Fills every field the installed megatron-core defines, probing its dataclass so older and newer
+    releases both work: q and kv boundaries (real and padded), ``max_seqlen_q/kv``, and, where the
+    release has them, ``cp_group`` (context-parallel group; None without CP) and ``local_cp_size``
+    (Megatron's hybrid CP). A release without ``cp_group`` reads it from the model config instead,
+    so it is left out; any other value the release has no field for is a ValueError naming it.
+    """
     from megatron.core.packed_seq_params import (
         PackedSeqParams,
     )  # lazy: importing megatron takes ~5 s
 
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_kv=cu_seqlens,
-        cu_seqlens_q_padded=cu_seqlens_padded,
-        cu_seqlens_kv_padded=cu_seqlens_padded,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_kv=max_seqlen,
-    )
+    values: dict[str, Any] = {
+        "qkv_format": "thd",
+        "cu_seqlens_q": cu_seqlens,
+        "cu_seqlens_kv": cu_seqlens,
+        "cu_seqlens_q_padded": cu_seqlens_padded,
+        "cu_seqlens_kv_padded": cu_seqlens_padded,
+        "max_seqlen_q": max_seqlen,
+        "max_seqlen_kv": max_seqlen,
+        "cp_group": cp_group,
+        "local_cp_size": local_cp_size,
+    }
+    known = {f.name for f in dataclasses.fields(PackedSeqParams)}
+    missing = [k for k, v in values.items() if k not in known and v is not None and k != "cp_group"]
+    if missing:
+        raise ValueError(
+            f"this megatron-core's PackedSeqParams has no field {missing[0]!r} (given "
+            f"{values[missing[0]]!r}); upgrade megatron-core (local_cp_size needs hybrid CP support)"
+        )
+    return PackedSeqParams(**{k: v for k, v in values.items() if k in known})
 
 
 def _check_dtype(name: str, value: torch.Tensor, want: torch.dtype) -> None:
@@ -307,20 +338,22 @@ def _check_dtype(name: str, value: torch.Tensor, want: torch.dtype) -> None:
         raise TypeError(f"{name} has dtype {value.dtype}; expected {want}")
 
 
-def _check_cu(name: str, cu: Any) -> list[int]:
+def _check_cu(name: str, cu: Any) -> np.ndarray:
+    """The boundaries as int64 numpy (one copy to the host for a CUDA tensor), checked."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dim() != 1:
         raise ValueError(f"{name} has shape {tuple(cu.shape)}; expected 1-D [n + 1]")
     _check_dtype(name, cu, CU_DTYPE)
-    values = cu.tolist()
+    values = cu.cpu().numpy().astype(np.int64)
     if len(values) < 2 or values[0] != 0:
-        raise ValueError(f"{name} must start at 0 and hold >= 2 entries, got {values[:8]}")
-    for i in range(1, len(values)):
-        if values[i] <= values[i - 1]:
-            raise ValueError(
-                f"{name} is not strictly increasing: {values[i]} follows {values[i - 1]} at index {i}"
-            )
+        raise ValueError(f"{name} must start at 0 and hold >= 2 entries, got {values[:8].tolist()}")
+    bad = np.flatnonzero(values[1:] <= values[:-1])
+    if len(bad):
+        i = int(bad[0]) + 1
+        raise ValueError(
+            f"{name} is not strictly increasing: {values[i]} follows {values[i - 1]} at index {i}"
+        )
     return values
 
 

@@ -158,7 +158,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
     config = {"input": str(Path(args.input).resolve()), "tokenizer": args.tokenizer, **same}
     start = time.perf_counter()
     writer = PackWriter(
-        args.out, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, algorithm=args.algorithm,
+        args.out, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, cp_size=args.cp_size,
+        algorithm=args.algorithm,
         long_docs=args.long_docs, seed=args.seed, pad_token_id=tokenizer.pad_id, config=config,
         resume=args.resume, checkpoint_every=args.checkpoint_every,
     )  # fmt: skip
@@ -187,7 +188,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
         )
     print(
         f"packed {meta['documents']:,} documents into {meta['rows']:,} rows of {meta['seq_len']:,} tokens "
-        f"({meta['efficiency']:.2%} efficiency, lower bound {meta['lower_bound']:,} rows, {args.algorithm}) "
+        f"({meta['efficiency']:.2%} efficiency, {meta['padding_tokens']:,} alignment padding tokens, lower bound "
+        f"{meta['lower_bound']:,} rows, {args.algorithm}) "
         f"in {time.perf_counter() - start:.1f} s -> {args.out}"
     )
     return 0
@@ -198,10 +200,12 @@ def _is_record_input(path: str) -> bool:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    from megapack.cp import cp_pad_multiple
     from megapack.packing import plan
 
     docs, note = _read(args)
     lengths = np.array([len(d) for d in docs], dtype=np.int64)
+    multiple = cp_pad_multiple(args.cp_size, args.pad_to_multiple_of)
     if len(lengths) == 0:
         print(f"{args.input}: no documents", file=sys.stderr)
         return 1
@@ -217,6 +221,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
     counts, _ = np.histogram(lengths, bins=np.append(edges, lengths.max() + 1))
     for lo, hi, n in zip(edges, np.append(edges[1:], lengths.max() + 1), counts, strict=True):
         print(f"  {lo:>7,}-{hi - 1:<7,} {n:>8,} {'#' * int(40 * n / max(counts.max(), 1))}")
+    real = int(lengths.sum())
+    planned = -(-lengths // multiple) * multiple  # rows are planned on padded lengths
+    if multiple > 1:
+        print(f"\ndocuments padded to multiples of {multiple} (cp_size={args.cp_size}, pad multiple "
+              f"{args.pad_to_multiple_of}): +{int(planned.sum()) - real:,} tokens ({int(planned.sum()) / real - 1:.2%}); "
+              "efficiency below counts real tokens only")  # fmt: skip
     print(f"\npacking at seq_len {args.seq_len:,}")
     print("| algorithm | rows | efficiency | seconds |\n| --- | --- | --- | --- |")
     results = {}
@@ -224,24 +234,27 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     for algorithm in ALGORITHMS:
         start = time.perf_counter()
-        result = plan(lengths, args.seq_len, algorithm=algorithm, time_limit_s=args.time_limit)
+        result = plan(planned, args.seq_len, algorithm=algorithm, time_limit_s=args.time_limit)
         results[algorithm] = result
         figures[f"rows_{algorithm}"] = result.num_bins
-        figures[f"efficiency_{algorithm}"] = result.efficiency
+        figures[f"efficiency_{algorithm}"] = efficiency = _real_efficiency(
+            result, real, planned, args.seq_len
+        )
         print(
-            f"| {algorithm} | {result.num_bins:,} | {result.efficiency:.2%} | {time.perf_counter() - start:.2f} |"
+            f"| {algorithm} | {result.num_bins:,} | {efficiency:.2%} "
+            f"| {time.perf_counter() - start:.2f} |"
         )
     bound = results["bfd"].lower_bound
     figures["lower_bound"] = bound
     print(
-        f"| lower bound | {bound:,} | <= {lengths.clip(max=args.seq_len).sum() / (bound * args.seq_len):.2%} | |"
+        f"| lower bound | {bound:,} | <= {min(real, int(planned.clip(max=args.seq_len).sum())) / (bound * args.seq_len):.2%} | |"
     )
     long = lengths > args.seq_len
     print(
         f"\n{int(long.sum()):,} documents longer than {args.seq_len:,} tokens ({int((lengths[long] - args.seq_len).sum()):,} tokens beyond)"
     )
     for policy in (p for p in LONG_DOC_POLICIES if p != "error"):
-        r = plan(lengths, args.seq_len, algorithm="bfd", long_docs=policy)
+        r = plan(planned, args.seq_len, algorithm="bfd", long_docs=policy)
         print(
             f"  {policy:>8}: {r.truncated_tokens + r.dropped_tokens:,} tokens lost, {r.num_bins:,} rows"
         )
@@ -313,6 +326,14 @@ def _balance_report(args: argparse.Namespace, lengths: np.ndarray) -> dict[str, 
     return r
 
 
+def _real_efficiency(result: Any, real: int, planned: np.ndarray, seq_len: int) -> float:
+    """Real tokens placed / (rows x seq_len): alignment padding is not counted as packed."""
+    padding = (
+        int(planned.sum()) - real
+    )  # every document is placed ("split"), so all its padding too
+    return (result.packed_tokens - padding) / max(result.num_bins * seq_len, 1)
+
+
 def _plot(lengths: np.ndarray, seq_len: int, path: str) -> None:
     import matplotlib
 
@@ -355,6 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="skip and count bad JSONL lines instead of stopping",
         )
+        p.add_argument(
+            "--cp-size", type=int, default=1,
+            help="context-parallel size: pad documents to multiples of 2 x cp (with --pad-multiple: their lcm)",
+        )  # fmt: skip
+        p.add_argument(
+            "--pad-multiple", "--pad-to-multiple-of", dest="pad_to_multiple_of", type=int, default=1,
+            help="pad every document to a multiple of this (e.g. 8/16 for FP8)",
+        )  # fmt: skip
 
     pack = sub.add_parser("pack", help="pack documents into a dataset PackedDataset.load reads")
     data_args(pack)
@@ -363,7 +392,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     pack.add_argument("--algorithm", default=ALGORITHMS[0], choices=ALGORITHMS)
     pack.add_argument("--long-docs", default=LONG_DOC_POLICIES[0], choices=LONG_DOC_POLICIES)
-    pack.add_argument("--pad-to-multiple-of", type=int, default=1)
     pack.add_argument("--seed", type=int, default=0)
     pack.add_argument(
         "--resume",

@@ -93,6 +93,32 @@ def broadcast(
     )
 
 
+def broadcast_on_stream(
+    tensor: torch.Tensor,
+    src: int,
+    *,
+    group: dist.ProcessGroup | None,
+    what: str,
+    timeout: float | None = None,
+) -> None:
+    """`broadcast`, except that a CUDA tensor's broadcast is only ordered on the current stream.
+
+    For a CUDA tensor (NCCL) the host does not wait: later kernels on the stream wait for the
+    data, and a stuck peer is reported by the NCCL group's own timeout and watchdog (``timeout=``
+    of ``init_process_group``/``new_group``), not by megapack's. CPU tensors wait as `broadcast`.
+    """
+    if tensor.device.type != "cuda":
+        broadcast(tensor, src, group=group, what=what, timeout=timeout)
+        return
+    try:
+        dist.broadcast(tensor, src=src, group=group)  # NCCL: stream-ordered, returns at once
+    except RuntimeError as exc:
+        raise CollectiveError(
+            f"{what} failed on rank {dist.get_rank()} over ranks {group_ranks(group)}: "
+            f"{str(exc).strip()[:300]}. The group is now unusable"
+        ) from exc
+
+
 def all_reduce_min(
     tensor: torch.Tensor,
     *,

@@ -21,13 +21,23 @@ import functools
 from typing import Any
 
 from megapack.attention import BACKENDS, PackedAttention
+from megapack.cp import CpLayout
 
 
-def packed_gpt_layer_spec(backend: str = "auto", **local_spec_kwargs: Any) -> Any:
+def packed_gpt_layer_spec(
+    backend: str = "auto", *, cp_layout: CpLayout = "document", **local_spec_kwargs: Any
+) -> Any:
     """megatron-core's ``get_gpt_layer_local_spec(**local_spec_kwargs)`` with THD-capable core attention.
+
+    With context parallelism (``context_parallel_size > 1``), the self-attention hands RoPE to
+    `PackedAttention`, which rotates each token by its position in its document, computed from the
+    whole row's boundaries and ``cp_layout`` (megatron-core's THD RoPE with ``cp_group`` assumes the
+    "document" layout and padded spans no longer than ``max_seqlen``). Without CP nothing changes.
 
     Args:
         backend: attention backend, one of ``megapack.attention.BACKENDS`` or ``"auto"``.
+        cp_layout: how packed rows are split over CP ranks, as the batches were ("document" or
+            "row", `megapack.cp`); padded [b, s] batches always split by row.
         local_spec_kwargs: passed to ``get_gpt_layer_local_spec`` (e.g. ``normalization="RMSNorm"``,
             ``qk_layernorm=True``); ``multi_latent_attention`` is not supported.
 
@@ -50,5 +60,38 @@ def packed_gpt_layer_spec(backend: str = "auto", **local_spec_kwargs: Any) -> An
     spec = copy.deepcopy(get_gpt_layer_local_spec(**local_spec_kwargs))
     attention = spec.submodules.self_attention.submodules
     # megatron-core 0.16 calls core_attention(config=..., layer_number=..., ...) directly.
-    attention.core_attention = functools.partial(PackedAttention, backend=backend)
+    attention.core_attention = functools.partial(
+        PackedAttention, backend=backend, cp_layout=cp_layout
+    )
+    spec.submodules.self_attention.module = _rope_handover_attention()
     return spec
+
+
+@functools.cache
+def _rope_handover_attention() -> type:
+    """megatron-core's ``SelfAttention`` that, under THD context parallelism, lets the core attention rotate."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    class RopeHandoverSelfAttention(SelfAttention):
+        """``SelfAttention`` whose RoPE table goes to `PackedAttention` when THD batches use CP."""
+
+        def forward(
+            self,
+            *args: Any,
+            rotary_pos_emb: Any = None,
+            packed_seq_params: Any = None,
+            **kwargs: Any,
+        ) -> Any:
+            core = self.core_attention
+            if (
+                rotary_pos_emb is not None
+                and getattr(packed_seq_params, "qkv_format", None) == "thd"
+                and isinstance(core, PackedAttention)
+                and core.context_parallel_group(packed_seq_params) is not None
+            ):
+                core.rope, rotary_pos_emb = rotary_pos_emb, None
+            return super().forward(
+                *args, rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params, **kwargs
+            )
+
+    return RopeHandoverSelfAttention

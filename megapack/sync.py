@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megapack import comm
 from megapack.errors import DesyncError, RemoteRankError
+from megapack.side_groups import control_group
 
 T = TypeVar("T")
 DEBUG_ENV = "MEGAPACK_DEBUG_SYNC"
@@ -52,9 +53,10 @@ def lockstep(
     Args:
         iterable: this rank's items (e.g. its shard of validation batches).
         group: the ranks that must stay in step; the default group when None.
-        cpu_group: a gloo group with the same ranks for the per-step flag. By default ``group``
-            itself when it can reduce CPU tensors, else a gloo side group made once for this
-            iteration (NCCL groups), so no step costs a device sync.
+        cpu_group: a gloo group with the same ranks for the per-step flag. By default
+            ``group``'s control group (`megapack.side_groups.control_group`): ``group`` itself
+            when it can reduce CPU tensors, else a gloo group with the same ranks made once per
+            group and cached (NCCL groups), so no step costs a device sync.
         timeout: seconds to wait for the slowest rank's item (default: $MEGAPACK_TIMEOUT_S or 300).
 
     Yields:
@@ -73,7 +75,7 @@ def lockstep(
     if not dist.is_initialized():
         yield from iterator
         return
-    flag_group = cpu_group if cpu_group is not None else _cpu_capable(group)
+    flag_group = cpu_group if cpu_group is not None else control_group(group)
     debug = debug_sync_enabled()
     step = 0
     while True:
@@ -169,9 +171,3 @@ def _raise_failure(
     if len(failed) > 1:
         text += f" (ranks {[r for r, _ in failed]} failed at this step)"
     raise RemoteRankError(rank, step, text)
-
-
-def _cpu_capable(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    if comm.tensor_device(group).type == "cpu":
-        return group
-    return dist.new_group(comm.group_ranks(group), backend="gloo", use_local_synchronization=True)

@@ -10,6 +10,8 @@ Pipeline stages (``Stage``), for ``pp_size`` stages and optional virtual chunks:
     pp_rank == 0 and first virtual chunk  -> FIRST  (embedding: needs tokens, position_ids)
     last pp_rank and last virtual chunk   -> LAST   (loss: needs labels, loss_mask)
     anything else                         -> MIDDLE (only attention metadata)
+    ``mtp=True`` and not ONLY              -> MTP    (multi-token-prediction layers on this stage,
+                                                     usually the last: embedding and loss both)
 
 Context parallelism (``cp_size > 1``) is orthogonal to the stage: each CP rank's TP group has its
 own TP source, which reads the same full row and keeps its CP share (`megapack.cp`).
@@ -33,6 +35,7 @@ class Stage(enum.Enum):
     FIRST = "first"
     MIDDLE = "middle"
     LAST = "last"
+    MTP = "mtp"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,6 +71,9 @@ class Topology:
     """This rank's index in ``cp_ranks`` (0 without context parallelism)."""
     cp_layout: CpLayout = "document"
     """How a row is split over CP ranks: "document" or "row" (`megapack.cp`)."""
+    mtp: bool = False
+    """This stage holds multi-token-prediction layers (Megatron's ``mtp_on_this_rank``), which embed
+    tokens and position_ids and compute a loss: it gets the fields of both ends (`Stage.MTP`)."""
 
     def __post_init__(self) -> None:
         if not self.tp_ranks:
@@ -92,6 +98,8 @@ class Topology:
             raise ValueError(f"Topology.cp_rank={self.cp_rank} is outside cp_ranks={self.cp_ranks}")
         if len(self.cp_ranks) > 1 and self.cp_group is None:
             raise ValueError(f"Topology.cp_group is None but cp_ranks={self.cp_ranks} has peers")
+        if not isinstance(self.mtp, bool):
+            raise TypeError(f"Topology.mtp must be a bool, got {type(self.mtp).__name__}")
         if self.cp_layout not in CP_LAYOUTS:
             raise ValueError(f"Topology.cp_layout={self.cp_layout!r} is not one of {CP_LAYOUTS}")
 
@@ -126,6 +134,8 @@ class Topology:
     def stage(self) -> Stage:
         if self.is_first_stage and self.is_last_stage:
             return Stage.ONLY
+        if self.mtp:
+            return Stage.MTP
         if self.is_first_stage:
             return Stage.FIRST
         if self.is_last_stage:
@@ -149,6 +159,7 @@ class Topology:
         device: torch.device | str | None = None,
         cp_group: dist.ProcessGroup | None = None,
         cp_layout: CpLayout = "document",
+        mtp: bool = False,
     ) -> Topology:
         """Build a topology from a TP process group a script created itself.
 
@@ -160,6 +171,7 @@ class Topology:
                 uses NCCL, else CPU.
             cp_group: this rank's context-parallel group; None (or a group of one) without CP.
             cp_layout: "document" or "row", how rows are split over CP ranks (`megapack.cp`).
+            mtp: this stage holds multi-token-prediction layers (``mtp_on_this_rank``).
         """
         if tp_group is None:
             ranks: tuple[int, ...] = (dist.get_rank() if dist.is_initialized() else 0,)
@@ -195,11 +207,12 @@ class Topology:
             cp_ranks=cp_ranks,
             cp_rank=cp_rank,
             cp_layout=cp_layout,
+            mtp=mtp,
         )
 
     @classmethod
     def from_parallel_state(
-        cls, *, vp_stage: int | None = None, cp_layout: CpLayout = "document"
+        cls, *, vp_stage: int | None = None, cp_layout: CpLayout = "document", mtp: bool = False
     ) -> Topology:
         """Read this rank's place from megatron-core's initialized ``parallel_state``.
 
@@ -208,6 +221,8 @@ class Topology:
                 initialized with ``virtual_pipeline_model_parallel_size``.
             cp_layout: "document" or "row", how rows are split over context-parallel ranks
                 (used when ``context_parallel_size > 1``; `megapack.cp`).
+            mtp: this stage holds multi-token-prediction layers: pass Megatron's
+                ``mtp_on_this_rank(config, vp_stage=...)``.
         """
         from megatron.core import parallel_state as ps  # lazy: importing megatron takes ~5 s
 
@@ -234,6 +249,7 @@ class Topology:
             if ps.get_context_parallel_world_size() > 1
             else None,
             cp_layout=cp_layout,
+            mtp=mtp,
         )
 
 

@@ -14,8 +14,10 @@ a call with unusually many documents, take two. A clean stop is one collective; 
 
 A failure on the source while fetching or validating is sent in place of a batch: the source
 re-raises its own error and every peer raises `RemoteDataError` within one collective's latency.
-Receivers make one device-to-host copy per call on NCCL (the header). Collectives wait at most
-the megapack timeout (`megapack.comm`) and then raise `CollectiveError`.
+On NCCL groups the header instead travels on a CPU gloo control group and the payload on
+the device stream (`megapack.split_transfer`): no host wait, no device-to-host copy.
+Collectives on the host wait at most the megapack timeout (`megapack.comm`) and then raise
+`CollectiveError`.
 """
 
 from __future__ import annotations
@@ -29,9 +31,14 @@ import torch
 import torch.distributed as dist
 
 from megapack import comm
+from megapack.cp import CP_LAYOUTS, CpLayout
+from megapack.cp_share import take_cp_share
 from megapack.errors import ProtocolError, RemoteDataError
+from megapack.inputs import Layout, normalize
+from megapack.side_groups import control_group
+from megapack.split_transfer import receive_split, send_split, split_control
 from megapack.sync import check_in_sync, debug_sync_enabled
-from megapack.topology import Topology
+from megapack.topology import Stage, Topology
 from megapack.wire import (
     FIELDS,
     HEADER_BYTES,
@@ -39,7 +46,7 @@ from megapack.wire import (
     Header,
     Status,
     decode,
-    encode_chunks,
+    encode_fields,
     join,
 )
 
@@ -65,27 +72,49 @@ def get_batch_on_this_tp_rank(
     *,
     topology: Topology | None = None,
     timeout: float | None = None,
+    cp_layout: CpLayout | None = None,
+    sequence_parallel: bool = False,
+    packed: bool | None = None,
 ) -> dict[str, Any]:
     """Drop-in for Megatron's ``get_batch_on_this_tp_rank``, correct on every pipeline stage.
 
     Call it on every rank of a TP group once per micro-step. Only the TP source (TP rank 0) calls
     ``next(data_iterator)``; other ranks may pass None and their iterator is never touched.
+    Megatron builds no dataset on middle pipeline stages for plain pretraining: a middle stage
+    whose source passes None returns the all-None batch on every TP rank. Packed batches need
+    ``cu_seqlens`` there too; with ``packed=True`` a middle source without an iterator is an error
+    saying how to build one (Megatron's ``is_dataset_built_on_rank``).
 
     The source accepts a `PackedBatch`, a Megatron SFT-style dict with ``cu_seqlens`` [b, k]
     (rows merged into THD [1, b*s]), or a plain pretraining dict without ``cu_seqlens`` (kept as
     [b, s], with its optional ``attention_mask``).
 
+    With context parallelism (``topology.cp_size > 1``) every CP rank's TP source reads the same
+    full row and sends only its zigzag share of the per-token fields (`megapack.cp_share`):
+    tokens, labels, loss_mask and position_ids hold T / cp positions (plain batches: s / cp per
+    row, ``attention_mask`` [b, 1, s / cp, s]); ``cu_seqlens``, ``cu_seqlens_padded`` and
+    ``max_seqlen`` stay the whole row's, and ``packed_seq_params.cp_group`` is the CP group.
+
     Args:
         data_iterator: the source's iterator; ignored on the other TP ranks.
         topology: this rank's place in the grid; default: from megatron-core's ``parallel_state``.
         timeout: seconds a peer waits for the source (default: $MEGAPACK_TIMEOUT_S or 300).
+        cp_layout: "document" or "row", how packed rows are split over CP ranks; default:
+            ``topology.cp_layout``. Every CP rank must pass the same.
+        sequence_parallel: True when the model uses sequence parallelism, so each CP rank's
+            token count must also divide by tp (checked, with the padding that fixes it).
+        packed: whether batches carry ``cu_seqlens`` (Megatron's ``has_cu_seqlens``: ``--sft`` or
+            inter-document masking). None: each batch says. True/False: a batch of the other
+            kind is an error, and a middle stage's source without an iterator is an error (True)
+            or returns the all-None batch (False or None).
 
     Returns:
-        A dict with exactly the keys ``tokens``, ``labels``, ``loss_mask``, ``attention_mask``,
-        ``position_ids``, ``cu_seqlens``, ``cu_seqlens_padded``, ``max_seqlen`` and
-        ``packed_seq_params``; a field this stage does not need is None (`megapack.wire.FIELDS`).
-        Packed batches give ``cu_seqlens`` 1-D int32, ``max_seqlen`` a Python int and
-        ``attention_mask`` None, on every stage.
+        A dict with exactly the keys `megapack.wire.OUTPUT_KEYS`: one per field of
+        `megapack.wire.FIELDS` (``tokens``, ``position_ids``, ``labels``, ``loss_mask``,
+        ``attention_mask``, ``cu_seqlens``, ``cu_seqlens_padded``, ``dataset_id``), then
+        ``max_seqlen``, ``local_cp_size`` and ``packed_seq_params``; a field this stage does not
+        need is None. Packed batches give ``cu_seqlens`` 1-D int32, ``max_seqlen`` a Python int
+        and ``attention_mask`` None, on every stage.
 
     Raises:
         StopIteration: on every TP rank, in the same call, when the source's iterator is exhausted.
@@ -93,6 +122,10 @@ def get_batch_on_this_tp_rank(
             raises its own error (e.g. ValueError naming the bad field, row and value).
         CollectiveError: when a TP peer is stuck past the timeout or has crashed.
     """
+    if cp_layout is not None and cp_layout not in CP_LAYOUTS:
+        raise ValueError(f"cp_layout must be one of {CP_LAYOUTS} or None, got {cp_layout!r}")
+    if packed is not None and not isinstance(packed, bool):
+        raise TypeError(f"packed must be True, False or None, got {packed!r}")
     topo = topology if topology is not None else Topology.from_parallel_state()
     state = (
         _GroupState() if topo.tp_group is None else _states.setdefault(topo.tp_group, _GroupState())
@@ -102,24 +135,42 @@ def get_batch_on_this_tp_rank(
         check_in_sync(
             "megapack.get_batch_on_this_tp_rank",
             state.calls - 1,
-            group=topo.tp_group,
+            group=control_group(topo.tp_group),
             timeout=timeout,
         )
     if topo.is_source:
-        return _send(data_iterator, topo, state, timeout)
+        options = _SourceOptions(
+            cp_layout=topo.cp_layout if cp_layout is None else cp_layout,
+            sequence_parallel=sequence_parallel,
+            packed=packed,
+        )
+        return _send(data_iterator, topo, state, timeout, options)
     return _receive(topo, state, timeout)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _SourceOptions:
+    """How the TP source turns an item into what it sends (see get_batch_on_this_tp_rank's Args)."""
+
+    cp_layout: CpLayout
+    sequence_parallel: bool
+    packed: bool | None
+
+
 def _send(
-    data_iterator: Iterator[Any] | None, topo: Topology, state: _GroupState, timeout: float | None
+    data_iterator: Iterator[Any] | None,
+    topo: Topology,
+    state: _GroupState,
+    timeout: float | None,
+    options: _SourceOptions,
 ) -> dict[str, Any]:
     error: Exception | None = None
+    chunks: list[torch.Tensor] = []
     try:
         if data_iterator is None:
-            raise ValueError(
-                f"data_iterator is None on TP source rank {topo.src_rank}; the source must get an iterator"
-            )
-        header, chunks = encode_chunks(next(data_iterator), topo.stage, topo.device)
+            header = _without_iterator(topo, options)
+        else:
+            header, chunks = _encode_item(next(data_iterator), topo, options)
     except StopIteration:
         header, chunks = Header(status=Status.STOP, stage=topo.stage), []
     except Exception as exc:
@@ -131,6 +182,87 @@ def _send(
             [message.to(topo.device)],
             exc,
         )
+    if (control := split_control(topo)) is not None:
+        payload = send_split(header, chunks, topo, control, timeout)
+    else:
+        payload = _send_frame(header, chunks, topo, state, timeout)
+    _settle(state, header)
+    if header.status == Status.STOP:
+        raise StopIteration
+    if error is not None:
+        raise error
+    return decode(header, payload, cp_group=topo.cp_group)
+
+
+def _encode_item(
+    item: Any, topo: Topology, options: _SourceOptions
+) -> tuple[Header, list[torch.Tensor]]:
+    """Normalize, take this CP rank's share, encode for this stage."""
+    layout, tensors, scalars = normalize(item)
+    if options.packed is not None and (layout == Layout.PACKED) != options.packed:
+        raise ValueError(
+            f"get_batch_on_this_tp_rank(packed={options.packed}) but the batch "
+            + ("has cu_seqlens" if layout == Layout.PACKED else "has no cu_seqlens")
+            + ": pass packed= matching the data (Megatron: --sft or inter-document masking)"
+        )
+    hybrid = scalars.local_cp_size
+    if hybrid is not None and hybrid != topo.cp_size:
+        raise ValueError(
+            f"batch has local_cp_size={hybrid} but this rank's CP group has {topo.cp_size} ranks "
+            f"({topo.cp_ranks or 'no CP group'}): for Megatron's hybrid CP build the Topology with this "
+            f"batch's group, Topology.from_groups(tp_group, cp_group=<the {hybrid}-rank hybrid CP group>, ...)"
+        )
+    tensors = take_cp_share(
+        layout, tensors, cp_size=topo.cp_size, cp_rank=topo.cp_rank, cp_layout=options.cp_layout,
+        tp_size=topo.tp_size, sequence_parallel=options.sequence_parallel, stage=topo.stage,
+    )  # fmt: skip
+    return encode_fields(layout, tensors, scalars, topo.stage, topo.device)
+
+
+def _without_iterator(topo: Topology, options: _SourceOptions) -> Header:
+    """A middle stage of plain pretraining has no dataset: the all-None batch. Anything else is an error."""
+    if topo.stage == Stage.MIDDLE and not options.packed:
+        return Header(status=Status.OK, stage=topo.stage, layout=Layout.PLAIN)
+    if topo.stage == Stage.MIDDLE:
+        raise ValueError(
+            f"data_iterator is None on TP source rank {topo.src_rank} of a middle pipeline stage "
+            f"(pp_rank {topo.pp_rank}), but packed batches need cu_seqlens on every stage: build the "
+            "dataset on TP rank 0 of every pipeline stage (Megatron: is_dataset_built_on_rank must "
+            "return True there, e.g. is_dataset_built_on_rank(vp_stage, is_packed_sequence=True)) "
+            "and pass its iterator"
+        )
+    raise ValueError(
+        f"data_iterator is None on TP source rank {topo.src_rank} (pipeline stage "
+        f"{topo.stage.value!r}, pp_rank {topo.pp_rank}); this stage's TP rank 0 must get an iterator"
+    )
+
+
+def _receive(topo: Topology, state: _GroupState, timeout: float | None) -> dict[str, Any]:
+    if (control := split_control(topo)) is not None:
+        header, payload = receive_split(topo, control, timeout)
+    else:
+        header, payload = _receive_frame(topo, state, timeout)
+    _settle(state, header)
+    if header.status == Status.STOP:
+        raise StopIteration
+    if header.status == Status.ERROR:
+        raise RemoteDataError(topo.src_rank, bytes(payload.cpu().tolist()).decode(errors="replace"))
+    if header.stage != topo.stage:
+        raise ProtocolError(
+            f"TP source rank {topo.src_rank} serves pipeline stage {header.stage.value!r} but this rank "
+            f"is on stage {topo.stage.value!r}: TP peers must share a pipeline stage (check the Topology)"
+        )
+    return decode(header, payload, cp_group=topo.cp_group)
+
+
+def _send_frame(
+    header: Header,
+    chunks: list[torch.Tensor],
+    topo: Topology,
+    state: _GroupState,
+    timeout: float | None,
+) -> torch.Tensor:
+    """One frame (header + inline payload + slack); the payload follows when it outgrew the capacity."""
     capacity = state.capacity
     inline = header.nbytes <= capacity
     slack = capacity - header.nbytes if inline else capacity
@@ -142,15 +274,12 @@ def _send(
     )
     if not inline:
         _broadcast(payload, topo, timeout, "payload")
-    _settle(state, header)
-    if header.status == Status.STOP:
-        raise StopIteration
-    if error is not None:
-        raise error
-    return decode(header, payload)
+    return payload
 
 
-def _receive(topo: Topology, state: _GroupState, timeout: float | None) -> dict[str, Any]:
+def _receive_frame(
+    topo: Topology, state: _GroupState, timeout: float | None
+) -> tuple[Header, torch.Tensor]:
     frame = torch.empty(HEADER_BYTES + state.capacity, dtype=torch.uint8, device=topo.device)
     _broadcast(frame, topo, timeout, "frame")
     header = Header.from_tensor(frame[:HEADER_BYTES].view(torch.int64))
@@ -159,17 +288,7 @@ def _receive(topo: Topology, state: _GroupState, timeout: float | None) -> dict[
     else:
         payload = torch.empty(header.nbytes, dtype=torch.uint8, device=topo.device)
         _broadcast(payload, topo, timeout, "payload")
-    _settle(state, header)
-    if header.status == Status.STOP:
-        raise StopIteration
-    if header.status == Status.ERROR:
-        raise RemoteDataError(topo.src_rank, bytes(payload.cpu().tolist()).decode(errors="replace"))
-    if header.stage != topo.stage:
-        raise ProtocolError(
-            f"TP source rank {topo.src_rank} serves pipeline stage {header.stage.value!r} but this rank "
-            f"is on stage {topo.stage.value!r}: TP peers must share a pipeline stage (check the Topology)"
-        )
-    return decode(header, payload)
+    return header, payload
 
 
 def _settle(state: _GroupState, header: Header) -> None:

@@ -5,8 +5,8 @@ the receivers (`decode`) both derive everything from it, so adding a field is on
 ``get_batch_on_this_tp_rank`` spells out sender and receiver by hand for each stage case, which
 is how middle stages ended up with no ``cu_seqlens`` at all (Megatron-LM #4092, Megatron-Bridge #2952).
 
-A message is a fixed 16 x int64 `Header` (status, stage, layout, shapes, ``max_seqlen``, a bitmask
-of the fields present, payload bytes) and a flat uint8 payload with the stage's fields, each
+A message is a fixed 24 x int64 `Header` (status, stage, layout, shapes, ``max_seqlen``,
+``local_cp_size``, a bitmask of the fields present, payload bytes) and a flat uint8 payload with the stage's fields, each
 8-byte aligned. `decode` slices the payload into views, so every TP rank, the source included,
 returns identical values, shapes, dtypes and None-ness. Metadata is O(documents), never O(seq_len).
 """
@@ -20,15 +20,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from megapack.batch import CU_DTYPE, MASK_DTYPE, TOKEN_DTYPE, PackedBatch, make_packed_seq_params
+from megapack.batch import CU_DTYPE, MASK_DTYPE, TOKEN_DTYPE, make_packed_seq_params
 from megapack.errors import ProtocolError
-from megapack.sft import grid_tensor
+from megapack.inputs import Layout, Scalars, normalize
 from megapack.topology import Stage
 
 ALL_STAGES = frozenset(Stage)
-FIRST = frozenset({Stage.ONLY, Stage.FIRST})
-LAST = frozenset({Stage.ONLY, Stage.LAST})
+FIRST = frozenset({Stage.ONLY, Stage.FIRST, Stage.MTP})  # the embedding (MTP layers embed too)
+LAST = frozenset({Stage.ONLY, Stage.LAST, Stage.MTP})  # the loss
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,35 +40,32 @@ class Field:
     dtype: torch.dtype
     stages: frozenset[Stage]
     shape: str
-    """"grid" ([rows, cols]), "cu" / "cu_padded" (1-D, length in the header), "mask" (4-D, header)."""
+    """"grid" ([rows, cols]), "cu" / "cu_padded" (1-D, length in the header), "mask" (4-D, header),
+    "samples" (1-D, one entry per sample of the micro-batch, count in the header)."""
+    cp_dim: int | None = None
+    """Token dimension a context-parallel rank keeps its share of (`megapack.cp_share`); None: the
+    field stays whole on every CP rank (boundaries describe the whole row)."""
 
 
 # The one table: which pipeline stage receives which tensor. Sender and receivers both read it.
 FIELDS: tuple[Field, ...] = (
-    Field("tokens", TOKEN_DTYPE, FIRST, "grid"),
-    Field("position_ids", TOKEN_DTYPE, FIRST, "grid"),
-    Field("labels", TOKEN_DTYPE, LAST, "grid"),
-    Field("loss_mask", MASK_DTYPE, LAST, "grid"),
-    Field("attention_mask", torch.bool, ALL_STAGES, "mask"),
+    Field("tokens", TOKEN_DTYPE, FIRST, "grid", cp_dim=1),
+    Field("position_ids", TOKEN_DTYPE, FIRST, "grid", cp_dim=1),
+    Field("labels", TOKEN_DTYPE, LAST, "grid", cp_dim=1),
+    Field("loss_mask", MASK_DTYPE, LAST, "grid", cp_dim=1),
+    Field("attention_mask", torch.bool, ALL_STAGES, "mask", cp_dim=2),  # [b, 1, s_q, s_kv]: queries
     Field("cu_seqlens", CU_DTYPE, ALL_STAGES, "cu"),
     Field("cu_seqlens_padded", CU_DTYPE, ALL_STAGES, "cu_padded"),
+    Field(
+        "dataset_id", TOKEN_DTYPE, ALL_STAGES, "samples"
+    ),  # BlendedDataset's source of each sample
 )
-OUTPUT_KEYS = (
-    "tokens",
-    "labels",
-    "loss_mask",
-    "attention_mask",
-    "position_ids",
-    "cu_seqlens",
-    "cu_seqlens_padded",
-    "max_seqlen",
-    "packed_seq_params",
-)
-PLAIN_KEYS = frozenset({"tokens", "labels", "loss_mask", "position_ids", "attention_mask"})
-PACKED_KEYS = PLAIN_KEYS | {"cu_seqlens", "max_seqlen", "cu_seqlens_argmin"}
+SCALAR_KEYS = ("max_seqlen", "local_cp_size")
+"""Python ints every stage gets from the header (None when the batch has none)."""
+OUTPUT_KEYS = (*(f.name for f in FIELDS), *SCALAR_KEYS, "packed_seq_params")
 
-MAGIC = 0x4D50_0002  # "MP" + protocol version 2 (header and payload share a frame)
-HEADER_LEN = 16
+MAGIC = 0x4D50_0003  # "MP" + protocol version 3 (24-slot header: samples, local_cp_size)
+HEADER_LEN = 24
 HEADER_BYTES = HEADER_LEN * 8
 STAGE_CODES = {stage: i for i, stage in enumerate(Stage)}
 
@@ -78,14 +76,9 @@ class Status(enum.IntEnum):
     ERROR = 2
 
 
-class Layout(enum.IntEnum):
-    PACKED = 0  # THD [1, T] with cu_seqlens
-    PLAIN = 1  # Megatron pretraining [b, s], attention_mask optional
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Header:
-    """The fixed-size message that precedes every payload. Slot 15 is reserved (zero)."""
+    """The fixed-size message that precedes every payload. Slots 17-23 are reserved (zero)."""
 
     status: Status
     stage: Stage
@@ -98,11 +91,13 @@ class Header:
     field_mask: int = 0
     nbytes: int = 0
     mask_shape: tuple[int, int, int, int] = (0, 0, 0, 0)
+    samples: int = 0
+    local_cp_size: int = -1
 
     def to_tensor(self, device: torch.device) -> torch.Tensor:
         values = [MAGIC, self.status, STAGE_CODES[self.stage], self.layout, self.rows, self.cols]
         values += [self.n_cu, self.n_cu_padded, self.max_seqlen, self.field_mask, self.nbytes]
-        values += list(self.mask_shape)
+        values += [*self.mask_shape, self.samples, self.local_cp_size]
         values += [0] * (HEADER_LEN - len(values))
         return torch.tensor(values, dtype=torch.int64).to(device)
 
@@ -118,7 +113,7 @@ class Header:
         return cls(
             status=Status(v[1]), stage=stage, layout=Layout(v[3]), rows=v[4], cols=v[5], n_cu=v[6],
             n_cu_padded=v[7], max_seqlen=v[8], field_mask=v[9], nbytes=v[10],
-            mask_shape=(v[11], v[12], v[13], v[14]),
+            mask_shape=(v[11], v[12], v[13], v[14]), samples=v[15], local_cp_size=v[16],
         )  # fmt: skip
 
     def shape_of(self, field: Field) -> tuple[int, ...]:
@@ -127,6 +122,7 @@ class Header:
             "cu": (self.n_cu,),
             "cu_padded": (self.n_cu_padded,),
             "mask": self.mask_shape,
+            "samples": (self.samples,),
         }[field.shape]
 
 
@@ -140,9 +136,20 @@ def encode_chunks(
     item: Any, stage: Stage, device: torch.device
 ) -> tuple[Header, list[torch.Tensor]]:
     """Like `encode`, but the payload as its 8-byte aligned pieces, so a caller can frame it without a copy."""
-    layout, tensors, max_seqlen = normalize(item)
-    tokens = tensors["tokens"]
-    assert tokens is not None  # normalize() always returns tokens
+    return encode_fields(*normalize(item), stage, device)
+
+
+def encode_fields(
+    layout: Layout,
+    tensors: Mapping[str, torch.Tensor | None],
+    scalars: Scalars,
+    stage: Stage,
+    device: torch.device,
+) -> tuple[Header, list[torch.Tensor]]:
+    """Lay out already normalized fields (`normalize`, then maybe `megapack.cp_share`) for ``stage``."""
+    grid = [t for f in FIELDS if f.shape == "grid" and (t := tensors.get(f.name)) is not None]
+    rows, cols = grid[0].shape if grid else (0, 0)  # every grid field has this (rows, cols)
+    mask = tensors.get("attention_mask")
     chosen = [
         (f, t) for f in FIELDS if stage in f.stages and (t := tensors.get(f.name)) is not None
     ]
@@ -154,19 +161,20 @@ def encode_chunks(
         if pad := -nbytes % 8:
             chunks.append(torch.zeros(pad, dtype=torch.uint8, device=device))
             nbytes += pad
-    mask = tensors.get("attention_mask")
     header = Header(
         status=Status.OK,
         stage=stage,
         layout=layout,
-        rows=int(tokens.shape[0]),
-        cols=int(tokens.shape[1]),
+        rows=int(rows),
+        cols=int(cols),
         n_cu=_numel(tensors.get("cu_seqlens")),
         n_cu_padded=_numel(tensors.get("cu_seqlens_padded")),
-        max_seqlen=-1 if max_seqlen is None else max_seqlen,
+        max_seqlen=-1 if scalars.max_seqlen is None else scalars.max_seqlen,
         field_mask=sum(1 << FIELDS.index(f) for f, _ in chosen),
         nbytes=nbytes,
         mask_shape=(0, 0, 0, 0) if mask is None else tuple(mask.shape),  # type: ignore[arg-type]
+        samples=_numel(tensors.get("dataset_id")),
+        local_cp_size=-1 if scalars.local_cp_size is None else scalars.local_cp_size,
     )
     return header, chunks
 
@@ -176,8 +184,13 @@ def join(chunks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=device)
 
 
-def decode(header: Header, payload: torch.Tensor) -> dict[str, Any]:
-    """Slice the payload into the output dict; identical on the source and its peers."""
+def decode(
+    header: Header, payload: torch.Tensor, *, cp_group: dist.ProcessGroup | None = None
+) -> dict[str, Any]:
+    """Slice the payload into the output dict; identical on the source and its peers.
+
+    ``cp_group`` (the context-parallel group, None without CP) goes into ``packed_seq_params``.
+    """
     out: dict[str, Any] = dict.fromkeys(OUTPUT_KEYS)
     offset = 0
     for i, f in enumerate(FIELDS):
@@ -189,58 +202,15 @@ def decode(header: Header, payload: torch.Tensor) -> dict[str, Any]:
         offset += size + (-size % 8)
     if header.layout == Layout.PACKED:
         out["max_seqlen"] = header.max_seqlen
+        out["local_cp_size"] = None if header.local_cp_size < 0 else header.local_cp_size
         out["packed_seq_params"] = make_packed_seq_params(
-            out["cu_seqlens"], out["cu_seqlens_padded"], header.max_seqlen
+            out["cu_seqlens"],
+            out["cu_seqlens_padded"],
+            header.max_seqlen,
+            cp_group=cp_group,
+            local_cp_size=out["local_cp_size"],
         )
     return out
-
-
-def normalize(item: Any) -> tuple[Layout, dict[str, torch.Tensor | None], int | None]:
-    """(layout, tensors by field name, max_seqlen) of one item from the data iterator, validated."""
-    if isinstance(item, PackedBatch):
-        batch = item.validate()
-    elif isinstance(item, Mapping):
-        allowed = PACKED_KEYS if item.get("cu_seqlens") is not None else PLAIN_KEYS
-        unknown = sorted(set(item) - allowed)
-        if unknown:
-            raise ValueError(
-                f"batch has unexpected keys {unknown}; megapack transfers {sorted(allowed)} "
-                "(drop the extra keys or carry them yourself)"
-            )
-        if item.get("cu_seqlens") is None:
-            return Layout.PLAIN, _plain_tensors(item), None
-        batch = PackedBatch.from_megatron_batch(item)
-    else:
-        raise TypeError(
-            f"data_iterator yielded {type(item).__name__}; expected a megapack.PackedBatch or a dict of "
-            "tensors (Megatron SFT-style with cu_seqlens, or a plain pretraining batch)"
-        )
-    tensors = {
-        "tokens": batch.tokens,
-        "labels": batch.labels,
-        "loss_mask": batch.loss_mask,
-        "position_ids": batch.position_ids,
-        "cu_seqlens": batch.cu_seqlens,
-        "cu_seqlens_padded": batch.cu_seqlens_padded,
-    }
-    return Layout.PACKED, tensors, batch.max_seqlen
-
-
-def _plain_tensors(item: Mapping[str, Any]) -> dict[str, torch.Tensor | None]:
-    tokens = grid_tensor(item, "tokens")
-    shape = tuple(tokens.shape)
-    tensors: dict[str, torch.Tensor | None] = {"tokens": tokens}
-    for name in ("labels", "loss_mask", "position_ids"):
-        tensors[name] = grid_tensor(item, name, shape)
-    mask = item.get("attention_mask")
-    is_mask = isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == shape[1]
-    if mask is not None and not is_mask:
-        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(
-            f"batch['attention_mask'] is {got}; expected a [b, 1, s, s] tensor with s={shape[1]}"
-        )
-    tensors["attention_mask"] = mask
-    return tensors
 
 
 def _numel(t: torch.Tensor | None) -> int:

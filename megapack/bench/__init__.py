@@ -4,7 +4,9 @@ Sections (each a module here): `transfer` (get_batch_on_this_tp_rank vs Megatron
 broadcasts vs one bare broadcast), `throughput` (real tokens/s packed vs padded, tiny megatron-core
 GPT), `packing` (every algorithm's efficiency against the lower bound, and planning time),
 `balance` (token plan vs compute plan across data-parallel ranks: imbalance, efficiency, and the
-slowest rank's measured step time with the tiny GPT on CPU) and `pack` (``megapack pack`` of a JSONL file vs bare read + json + encode_batch, MB/s, peak RSS).
+slowest rank's measured step time with the tiny GPT on CPU), `cp` (the padding each
+context-parallel layout costs on the real lengths at cp 2, 4, 8) and `pack` (``megapack pack``
+of a JSONL file vs bare read + json + encode_batch, MB/s, peak RSS).
 
 Launched plainly, it starts its own worker processes (gloo on CPU); under ``torchrun`` it uses the
 launched ranks (NCCL when CUDA is present). Output: a markdown report on stdout, ``--json PATH``
@@ -44,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--skip",
         nargs="*",
         default=[],
-        choices=["transfer", "throughput", "packing", "balance", "pack"],
+        choices=["transfer", "throughput", "packing", "balance", "cp", "pack"],
     )
 
 
@@ -90,6 +92,7 @@ def main(args: argparse.Namespace) -> int:
         "packing": [],
         "balance": [],
         "balance_timing": [],
+        "cp": [],
         "pack": [],
     }
     if launched:
@@ -140,6 +143,12 @@ def main(args: argparse.Namespace) -> int:
 
         _step("balance", rank0)
         results["balance"] = run_balance(lengths, cfg["balance_long_tail_docs"])
+    if rank0 and "cp" not in args.skip:
+        from megapack.bench.cp import run_cp_padding
+        from megapack.bench.datasets import OPENCHAT_CAP
+
+        _step("cp padding", rank0)
+        results["cp"] = run_cp_padding(lengths, OPENCHAT_CAP)
 
     if rank0 and "pack" not in args.skip:
         from megapack.bench.pack import run_pack
@@ -151,6 +160,10 @@ def main(args: argparse.Namespace) -> int:
 
         print(report.markdown(results), flush=True)
         print(balance_markdown(results["balance"], results["balance_timing"]) + "\n", flush=True)
+        if results["cp"]:
+            from megapack.bench.cp import markdown as cp_markdown
+
+            print(cp_markdown(results["cp"]), flush=True)
         if results["pack"]:
             from megapack.bench.pack import markdown as pack_markdown
 
@@ -159,7 +172,7 @@ def main(args: argparse.Namespace) -> int:
             out = report.to_json(results)
             out["balance"], out["balance_timing"] = results["balance"], results["balance_timing"]
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            out["pack"] = results["pack"]
+            out = out | {"cp": results["cp"], "pack": results["pack"]}
             Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
             print(f"JSON -> {args.json}")
         if args.plots:
@@ -189,7 +202,7 @@ class _Runner:
                 return []
             return list(fn(*args))
         if self.pool is None:
-            from megapack.testing.pool import WorkerPool
+            from megapack.launch import WorkerPool
 
             self.pool = WorkerPool(
                 size=self.size,

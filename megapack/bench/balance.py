@@ -78,8 +78,8 @@ def run_balance(lengths: list[int], long_tail_n: int, seed: int = 0) -> list[dic
 
 def _model_kit() -> tuple[Any, Any, Any, Any]:
     """The tiny GPT and its helpers: the one place to change when they move to megapack.models."""
-    from megapack.testing.gpt import TinyGPT, forward_step, init_weights
-    from megapack.testing.megatron_cpu import megatron_on_cpu
+    from megapack.megatron_cpu import megatron_on_cpu
+    from megapack.models import TinyGPT, forward_step, init_weights
 
     return TinyGPT, forward_step, init_weights, megatron_on_cpu
 

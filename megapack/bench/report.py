@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
-TARGETS = {
-    "transfer_vs_bare": 1.2,  # megapack latency <= 1.2x one bare broadcast of the same bytes
-    "transfer_vs_per_tensor": 0.3,  # megapack latency <= 0.3x Megatron-style per-tensor broadcasts
+from megapack.bench.transfer import JSON_KEYS as TRANSFER_KEYS
+from megapack.bench.transfer import table as transfer_table
+
+TARGETS = {  # the transfer section's targets live in megapack.bench.transfer.TARGETS
     "speedup_vs_theory": 0.9,  # measured packed/padded speedup >= 0.9x the theoretical slot ratio
     "best_openchat_efficiency": 0.9962,
 }
@@ -74,20 +75,10 @@ def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> s
 def markdown(results: dict[str, Any]) -> str:
     parts = []
     if results["transfer"]:
-        rows = [
-            {
-                **r,
-                "vs_bare": r["megapack_ms"] / r["bare_ms"],
-                "vs_per_tensor": r["megapack_ms"] / r["per_tensor_ms"],
-            }
-            for r in results["transfer"]
-        ]
-        parts.append("## Transfer: one micro-batch to every TP rank (median ms, slowest rank)\n\n" + _table(rows, [
-            ("tp", "tp", "d"), ("seq_len", "seq_len", ","), ("documents", "documents", "d"), ("payload bytes", "payload_bytes", ","),
-            ("megapack", "megapack_ms", ".3f"), ("per-tensor (Megatron-style)", "per_tensor_ms", ".3f"), ("bare broadcast", "bare_ms", ".3f"),
-            (f"megapack / bare (target <= {TARGETS['transfer_vs_bare']})", "vs_bare", ".2f"),
-            (f"megapack / per-tensor (target <= {TARGETS['transfer_vs_per_tensor']})", "vs_per_tensor", ".2f"),
-        ]))  # fmt: skip
+        parts.append(
+            "## Transfer: one micro-batch to every TP rank (median ms, slowest rank)\n\n"
+            + transfer_table(results["transfer"])
+        )
     if results["throughput"]:
         rows = [
             {**r, "ratio": r["measured_speedup"] / r["theoretical_speedup"]}
@@ -110,17 +101,9 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def to_json(results: dict[str, Any]) -> dict[str, Any]:
-    """``{"env", "transfer": [{tp, seq_len, megapack_ms, per_tensor_ms, bare_ms}], "throughput": [...], "packing": [...]}``."""
+    """``{"env", "transfer": [{tp, seq_len, megapack_ms, ..., bytes_per_stage}], "throughput": [...], "packing": [...]}``."""
     keep = {
-        "transfer": (
-            "tp",
-            "seq_len",
-            "megapack_ms",
-            "per_tensor_ms",
-            "bare_ms",
-            "payload_bytes",
-            "documents",
-        ),
+        "transfer": TRANSFER_KEYS,
         "throughput": (
             "dataset",
             "mode",
@@ -183,7 +166,12 @@ def plots(results: dict[str, Any], directory: str) -> list[Path]:
             rows = sorted(
                 (r for r in results["transfer"] if r["seq_len"] == seq_len), key=lambda r: r["tp"]
             )
-            for key, style in (("megapack_ms", "-o"), ("per_tensor_ms", "--s"), ("bare_ms", ":^")):
+            for key, style in (
+                ("megapack_ms", "-o"),
+                ("per_tensor_ms", "--s"),
+                ("bare_megatron_ms", ":^"),
+                ("bare_payload_ms", ":v"),
+            ):
                 ax.plot(
                     [r["tp"] for r in rows],
                     [r[key] for r in rows],

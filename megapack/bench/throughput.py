@@ -1,7 +1,7 @@
 """Throughput benchmark: real (non-padding) tokens per second, packed vs padded, same documents and model.
 
 Runs on every rank of a tp x pp grid (megatron-core ``parallel_state``), training megapack's tiny
-GPT (`megapack.testing.gpt.TinyGPT`, `packed_gpt_layer_spec`) through megatron-core's schedule with
+GPT (`megapack.models.TinyGPT`, `packed_gpt_layer_spec`) through megatron-core's schedule with
 batches from `megapack.get_batch_on_this_tp_rank`. One step = one schedule call over the same
 documents in every mode:
 
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megapack.batch import PackedBatch
-from megapack.testing.gpt import TinyGPT, forward_step, init_weights
+from megapack.models import TinyGPT, forward_step, init_weights
 
 MODES = ("packed", "padded_fixed", "padded_longest")
 
@@ -92,7 +92,7 @@ def run_throughput(
 
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     if not cuda:
-        from megapack.testing.megatron_cpu import megatron_on_cpu
+        from megapack.megatron_cpu import megatron_on_cpu
 
         megatron_on_cpu()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

@@ -1,15 +1,22 @@
-"""Transfer benchmark: one micro-batch from the TP source to its peers, three ways, side by side.
+"""Transfer benchmark: one micro-batch from the TP source to its peers, five ways, side by side.
 
 * ``megapack``: `megapack.get_batch_on_this_tp_rank`, validation and PackedSeqParams included.
 * ``per_tensor``: what Megatron-LM's ``get_batch_on_this_tp_rank`` does for a packed batch: one
   broadcast per tensor (tokens, labels, loss_mask, position_ids), a broadcast of the ``cu_seqlens``
   length followed by a host sync (``.item()``) to allocate, the ``cu_seqlens`` broadcast, and a
   ``max_seqlen`` broadcast with another host sync: 7 collectives.
-* ``bare``: one broadcast of a uint8 buffer holding exactly megapack's payload bytes: the floor.
+* ``bare_megatron``: one broadcast of a uint8 buffer as large as Megatron's tensors (int64 tokens,
+  labels and position_ids, float32 loss_mask, int32 cu_seqlens): the floor for Megatron's bytes.
+* ``bare_payload``: one broadcast of exactly megapack's payload bytes: the floor for megapack's.
+* ``prefetch``: `megapack.prefetch` (depth 2) feeding a loop whose step is ``next()`` plus a
+  simulated compute step (a sleep of 5 ms per 4,096 tokens: GPU compute leaves the host idle);
+  reported as the time the step spends blocked in ``next()`` and the step time over the compute
+  time (the sleep's measured length), medians of the slowest rank per step.
 
-The methods alternate within every repeat (so drift hits all alike); each sample is the slowest
+The first four alternate within every repeat (so drift hits all alike); each sample is the slowest
 rank's time for one call (the call is done when every rank has its batch), and the median over
 repeats is reported. Runs inside a process group whose ranks form one TP group (single stage).
+Bytes per stage are megapack's payload for each pipeline stage's fields (`megapack.wire.FIELDS`).
 """
 
 from __future__ import annotations
@@ -25,13 +32,26 @@ import torch
 import torch.distributed as dist
 
 from megapack.batch import PackedBatch
-from megapack.testing.grids import grid_topology
-from megapack.topology import Stage
+from megapack.grid import grid_topology
+from megapack.prefetcher import prefetch
+from megapack.topology import Stage, Topology
 from megapack.transfer import get_batch_on_this_tp_rank
 from megapack.wire import encode
 
-METHODS = ("megapack", "per_tensor", "bare")
+METHODS = ("megapack", "per_tensor", "bare_megatron", "bare_payload")
 _TENSORS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens")
+PREFETCH_DEPTH = 2
+COMPUTE_MS_PER_4K = 5.0  # the simulated compute step: 5 ms per 4,096 tokens
+TARGETS = {
+    "vs_bare_megatron": 1.0,  # megapack <= 1.0x a bare broadcast of Megatron's bytes (goal 0.6)
+    "vs_bare_payload": 1.3,  # megapack <= 1.3x a bare broadcast of its own payload
+    "blocked_vs_bare_payload": 0.25,  # with prefetch, time blocked in next() <= 0.25x that bare
+    "step_vs_compute": 1.05,  # with prefetch, step time <= compute + 5%
+}
+JSON_KEYS = (
+    "tp", "seq_len", "documents", "payload_bytes", "megatron_bytes", "bytes_per_stage",
+    *(f"{m}_ms" for m in METHODS), "compute_ms", "prefetch_blocked_ms", "prefetch_step_ms",
+)  # fmt: skip
 
 
 def sample_batch(seq_len: int, seed: int = 0) -> PackedBatch:
@@ -43,6 +63,12 @@ def sample_batch(seq_len: int, seed: int = 0) -> PackedBatch:
         docs.append(rng.integers(1, 32_000, n))
         used += n
     return PackedBatch.from_documents(docs, seq_len=seq_len)
+
+
+def megatron_bytes(batch: PackedBatch) -> int:
+    """Bytes of the tensors Megatron's get_batch_on_this_tp_rank broadcasts for this batch."""
+    n = batch.tokens.numel()
+    return n * (8 + 8 + 4 + 8) + batch.cu_seqlens.numel() * 4
 
 
 def _per_tensor(
@@ -68,6 +94,38 @@ def _per_tensor(
     int(m.item())
 
 
+def _slowest(seconds: list[float], group: Any) -> list[float]:
+    t = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def _prefetch_steps(
+    topo: Topology, batch: PackedBatch, compute_s: float, repeats: int, warmup: int
+) -> tuple[float, float, float]:
+    """Medians in ms (blocked in next(), whole step, compute) with prefetch, slowest rank per step.
+
+    The compute step is a sleep; its measured length (sleeps overshoot on a busy machine) is the
+    compute time the step is compared with.
+    """
+    data = iter([batch] * (warmup + repeats)) if topo.is_source else None
+    blocked, steps, computes = [], [], []
+    with prefetch(data, topology=topo, depth=PREFETCH_DEPTH) as batches:
+        for rep in range(warmup + repeats):
+            start = time.perf_counter()
+            next(batches)
+            got = time.perf_counter()
+            time.sleep(compute_s)
+            end = time.perf_counter()
+            # the model's TP sync point: every rank's step ends with the slowest
+            waited, step, compute = _slowest([got - start, end - start, end - got], topo.tp_group)
+            if rep >= warmup:
+                blocked.append(waited * 1e3)
+                steps.append(step * 1e3)
+                computes.append(compute * 1e3)
+    return statistics.median(blocked), statistics.median(steps), statistics.median(computes)
+
+
 def run_transfer(seq_lens: list[int], repeats: int, warmup: int) -> list[dict[str, Any]]:
     """On every rank of a single-stage TP group: median ms per call for each method and seq_len."""
     tp = dist.get_world_size()
@@ -76,7 +134,9 @@ def run_transfer(seq_lens: list[int], repeats: int, warmup: int) -> list[dict[st
     for seq_len in seq_lens:
         batch = sample_batch(seq_len)
         nbytes = encode(batch, Stage.ONLY, topo.device)[0].nbytes
-        bare = torch.zeros(nbytes, dtype=torch.uint8, device=topo.device)
+        mbytes = megatron_bytes(batch)
+        bare_payload = torch.zeros(nbytes, dtype=torch.uint8, device=topo.device)
+        bare_megatron = torch.zeros(mbytes, dtype=torch.uint8, device=topo.device)
         on_device = dataclasses.replace(
             batch, **{k: getattr(batch, k).to(topo.device) for k in _TENSORS}
         )
@@ -87,13 +147,14 @@ def run_transfer(seq_lens: list[int], repeats: int, warmup: int) -> list[dict[st
         def per_tensor_call(b: PackedBatch = on_device) -> None:
             _per_tensor(b, topo.src_rank, topo.tp_group, topo.device, topo.is_source)
 
-        def bare_call(t: torch.Tensor = bare) -> None:
-            dist.broadcast(t, topo.src_rank, group=topo.tp_group)
+        def bare(t: torch.Tensor) -> Callable[[], None]:
+            return lambda: dist.broadcast(t, topo.src_rank, group=topo.tp_group)
 
         calls: dict[str, Callable[[], None]] = {
             "megapack": megapack_call,
             "per_tensor": per_tensor_call,
-            "bare": bare_call,
+            "bare_megatron": bare(bare_megatron),
+            "bare_payload": bare(bare_payload),
         }
         samples: dict[str, list[float]] = {m: [] for m in METHODS}
         for rep in range(warmup + repeats):
@@ -101,16 +162,67 @@ def run_transfer(seq_lens: list[int], repeats: int, warmup: int) -> list[dict[st
                 dist.barrier(group=topo.tp_group)
                 start = time.perf_counter()
                 calls[method]()
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=topo.tp_group)
+                (elapsed,) = _slowest([time.perf_counter() - start], topo.tp_group)
                 if rep >= warmup:
-                    samples[method].append(elapsed.item() * 1e3)
+                    samples[method].append(elapsed * 1e3)
+        sleep_s = COMPUTE_MS_PER_4K * seq_len / 4096 / 1e3
+        blocked_ms, step_ms, compute_ms = _prefetch_steps(topo, batch, sleep_s, repeats, warmup)
         row: dict[str, Any] = {
             "tp": tp,
             "seq_len": seq_len,
             "payload_bytes": nbytes,
+            "megatron_bytes": mbytes,
+            "bytes_per_stage": {s.value: encode(batch, s, topo.device)[0].nbytes for s in Stage},
             "documents": len(batch.cu_seqlens) - 1,
+            "compute_ms": compute_ms,
+            "prefetch_blocked_ms": blocked_ms,
+            "prefetch_step_ms": step_ms,
         }
         row |= {f"{m}_ms": statistics.median(samples[m]) for m in METHODS}
         rows.append(row)
     return rows
+
+
+def verdicts(row: dict[str, Any]) -> dict[str, Any]:
+    """The row's ratios against `TARGETS`, each with "met" / "not met"."""
+    ratios = {
+        "vs_bare_megatron": row["megapack_ms"] / row["bare_megatron_ms"],
+        "vs_bare_payload": row["megapack_ms"] / row["bare_payload_ms"],
+        "vs_per_tensor": row["megapack_ms"] / row["per_tensor_ms"],
+        "blocked_vs_bare_payload": row["prefetch_blocked_ms"] / row["bare_payload_ms"],
+        "step_vs_compute": row["prefetch_step_ms"] / row["compute_ms"],
+    }
+    out: dict[str, Any] = dict(ratios)
+    for key, limit in TARGETS.items():
+        out[f"{key}_verdict"] = f"{ratios[key]:.2f}, {'met' if ratios[key] <= limit else 'not met'}"
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Two markdown tables (latency with verdicts; bytes per stage) for the report and the README."""
+    head = (
+        "| tp | seq_len | megapack | per-tensor (Megatron-style) | bare, Megatron's bytes | "
+        "bare, megapack's payload | megapack / bare Megatron (target <= 1.0, goal 0.6) | "
+        "megapack / bare payload (target <= 1.3) | prefetch: blocked in next() | "
+        "blocked / bare payload (target <= 0.25) | step / compute (target <= 1.05) |"
+    )
+    lines = [head, "|" + " --- |" * 11]
+    for r in rows:
+        v = verdicts(r)
+        lines.append(
+            f"| {r['tp']} | {r['seq_len']:,} | {r['megapack_ms']:.3f} | {r['per_tensor_ms']:.3f} | "
+            f"{r['bare_megatron_ms']:.3f} | {r['bare_payload_ms']:.3f} | {v['vs_bare_megatron_verdict']} | "
+            f"{v['vs_bare_payload_verdict']} | {r['prefetch_blocked_ms']:.3f} | "
+            f"{v['blocked_vs_bare_payload_verdict']} | {v['step_vs_compute_verdict']} |"
+        )
+    stages = [s.value for s in Stage]
+    bytes_head = "| seq_len | documents | Megatron's bytes | " + " | ".join(
+        f"megapack, {s} stage" for s in stages
+    )
+    bytes_lines = [bytes_head + " |", "|" + " --- |" * (3 + len(stages))]
+    for r in {r["seq_len"]: r for r in rows}.values():
+        per = " | ".join(f"{r['bytes_per_stage'][s]:,}" for s in stages)
+        bytes_lines.append(
+            f"| {r['seq_len']:,} | {r['documents']} | {r['megatron_bytes']:,} | {per} |"
+        )
+    return "\n".join(lines) + "\n\nBytes per micro-batch:\n\n" + "\n".join(bytes_lines)

@@ -9,8 +9,8 @@ plan; its memory grew with every token. The writer streams instead:
    only their lengths stay in memory (8 bytes a document);
 2. after every ``checkpoint_every`` documents the files are flushed and ``progress.json`` records
    how far they go and how many input rows produced them (a *completed shard* of the input);
-3. at the end, the plan is made from the lengths alone (`megapack.packing.plan` on the aligned
-   lengths, as `PackedDataset` does) and written as ``slices.npy`` / ``bin_offsets.npy`` with
+3. at the end, the plan is made from the lengths alone (`megapack.data.layout.plan_layout`, the
+   function `PackedDataset` uses) and written as ``slices.npy`` / ``bin_offsets.npy`` with
    ``doc_offsets.npy`` and ``meta.json``. Rows are slices of the token memmap, so they are not
    copied again: the directory is exactly what `PackedDataset.save` writes, and
    `PackedDataset.load` reads it unchanged (the same arrays, byte for byte).
@@ -35,9 +35,9 @@ from typing import IO, Any
 import numpy as np
 
 from megapack.data.document import Document
+from megapack.data.layout import check_layout, plan_layout
 from megapack.data.split import split_document
 
-FORMAT_VERSION = 1  # of the output directory; the same as PackedDataset's
 PROGRESS_VERSION = 1
 HEADER_BYTES = 128
 """Reserved .npy header size (a multiple of 64, holds any 1-D shape)."""
@@ -49,7 +49,8 @@ class PackWriter:
 
     Args:
         out: the output directory.
-        seq_len, pad_to_multiple_of, algorithm, long_docs, seed, pad_token_id: as `PackedDataset`.
+        seq_len, pad_to_multiple_of, cp_size, algorithm, long_docs, seed, pad_token_id: as
+            `PackedDataset`.
         config: anything else that must match on resume (input path, tokenizer, fields, ...).
         resume: continue the unfinished run in ``out`` from its last checkpoint.
         checkpoint_every: documents between checkpoints.
@@ -67,6 +68,7 @@ class PackWriter:
         seq_len: int,
         *,
         pad_to_multiple_of: int = 1,
+        cp_size: int = 1,
         algorithm: str = "bfd",
         long_docs: str = "split",
         seed: int = 0,
@@ -76,23 +78,21 @@ class PackWriter:
         checkpoint_every: int = 100_000,
         buffer_tokens: int = 1 << 16,
     ) -> None:
-        from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
+        from megapack.packing.names import ALGORITHMS
 
-        for name, value in (("seq_len", seq_len), ("pad_to_multiple_of", pad_to_multiple_of),
-                            ("checkpoint_every", checkpoint_every), ("buffer_tokens", buffer_tokens)):  # fmt: skip
+        multiple = check_layout(seq_len, pad_to_multiple_of, cp_size, long_docs)
+        for name, value in (
+            ("checkpoint_every", checkpoint_every),
+            ("buffer_tokens", buffer_tokens),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if seq_len % pad_to_multiple_of:
-            raise ValueError(
-                f"seq_len={seq_len} must be a multiple of pad_to_multiple_of={pad_to_multiple_of}"
-            )
-        if long_docs not in LONG_DOC_POLICIES:
-            raise ValueError(f"long_docs={long_docs!r}; choose one of {LONG_DOC_POLICIES}")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={algorithm!r}; choose one of {ALGORITHMS}")
         self.out = Path(out)
         self.settings: dict[str, Any] = {
-            "seq_len": seq_len, "pad_to_multiple_of": pad_to_multiple_of, "algorithm": algorithm,
+            "seq_len": seq_len, "pad_to_multiple_of": pad_to_multiple_of, "cp_size": cp_size,
+            "multiple": multiple, "algorithm": algorithm,
             "long_docs": long_docs, "seed": seed, "pad_token_id": pad_token_id,
         }  # fmt: skip
         self.config = json.loads(json.dumps(config or {}, default=str))
@@ -219,32 +219,18 @@ class PackWriter:
         self.rows_done = rows
 
     def _finish(self) -> dict[str, Any]:
-        from megapack.packing import plan
-
         if not self._lengths:
             raise ValueError("documents is empty: nothing to pack")
         for name, dtype in ARRAYS.items():
             _write_header(self.out / f"{name}.npy", dtype, self.tokens)
         s = self.settings
-        lengths = np.asarray(self._lengths, dtype=np.int64)
-        m = s["pad_to_multiple_of"]
-        aligned = -(-lengths // m) * m
-        long_docs = "error" if s["long_docs"] == "split" else s["long_docs"]
-        packing = plan(
-            aligned, s["seq_len"], algorithm=s["algorithm"], long_docs=long_docs, seed=s["seed"]
-        )
-        slices = np.array(packing.slices, dtype=np.int64).reshape(-1, 3)
-        slices[:, 2] = np.minimum(slices[:, 2], lengths[slices[:, 0]])  # padding holds no tokens
-        np.save(self.out / "doc_offsets.npy", np.concatenate([[0], np.cumsum(lengths)]))
-        np.save(self.out / "slices.npy", slices)
-        np.save(self.out / "bin_offsets.npy", np.array(packing.bin_offsets, dtype=np.int64))
-        meta = {
-            "version": FORMAT_VERSION, "seq_len": s["seq_len"], "pad_to_multiple_of": m,
-            "algorithm": s["algorithm"], "long_docs": s["long_docs"], "seed": s["seed"],
-            "documents": len(lengths), "rows": packing.num_bins, "efficiency": packing.efficiency,
-            "lower_bound": packing.lower_bound, "truncated_tokens": packing.truncated_tokens,
-            "dropped_tokens": packing.dropped_tokens, "pad_token_id": s["pad_token_id"],
-        }  # fmt: skip
+        arrays, meta = plan_layout(
+            np.asarray(self._lengths, dtype=np.int64), s["seq_len"], multiple=s["multiple"],
+            cp_size=s["cp_size"], algorithm=s["algorithm"], long_docs=s["long_docs"],
+            seed=s["seed"], pad_token_id=s["pad_token_id"],
+        )  # fmt: skip
+        for name, array in arrays.items():
+            np.save(self.out / f"{name}.npy", array)
         (self.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         for leftover in ("progress.json", "lengths.partial"):
             (self.out / leftover).unlink(missing_ok=True)

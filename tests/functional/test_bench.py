@@ -48,9 +48,17 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
         )
     assert {(r["tp"], r["seq_len"]) for r in data["transfer"]} == {(2, 4096), (4, 4096)}
     for r in data["transfer"]:
-        assert {"megapack_ms", "per_tensor_ms", "bare_ms"} <= set(r) and all(
-            r[k] > 0 for k in ("megapack_ms", "bare_ms")
-        )
+        timed = ("megapack_ms", "per_tensor_ms", "bare_megatron_ms", "bare_payload_ms")
+        assert all(r[k] > 0 for k in (*timed, "prefetch_step_ms", "compute_ms")), r
+        assert r["prefetch_blocked_ms"] >= 0 and r["prefetch_step_ms"] >= r["compute_ms"], r
+        stages = r["bytes_per_stage"]
+        assert set(stages) == {"only", "first", "middle", "last", "mtp"}, stages
+        assert stages["middle"] < min(stages["first"], stages["last"]) <= stages["only"], stages
+        assert stages["last"] < stages["mtp"], (
+            stages
+        )  # MTP layers on the last stage embed tokens too
+        assert r["payload_bytes"] == stages["only"] and r["megatron_bytes"] > 0
+    assert "megapack / bare Megatron" in done.stdout and "Bytes per micro-batch" in done.stdout
     modes = {(r["dataset"], r["mode"]) for r in data["throughput"]}
     assert modes == {
         (d, m)

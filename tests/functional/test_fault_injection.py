@@ -8,6 +8,7 @@ megapack's collective timeout is TIMEOUT seconds here, so "within timeout + 5 s"
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import megapack
 from megapack.testing.grids import grid_topology
 from megapack.testing.pool import WorkerPool
+from megapack.testing.split_path import force_split_path
 
 pytestmark = pytest.mark.distributed
 
@@ -145,10 +147,32 @@ def batches(n: int) -> Iterator[megapack.PackedBatch]:
         yield megapack.PackedBatch.from_documents([[1, 2, 3], [4, 5 + i]])
 
 
-def run_get_batch_fault(fault: str) -> Any:
+# "frame": gloo's one-frame path; "split": header on a separate gloo control group, payload on the
+# TP group, the path NCCL groups take (megapack.split_transfer); "prefetch...": the same through
+# megapack.prefetch(depth=2), batches fetched ahead in a thread.
+PATHS = ["frame", "split", "prefetch", "prefetch-split"]
+
+
+def run_get_batch_fault(fault: str, path: str = "frame") -> Any:
     topo = grid_topology(dist.get_world_size(), 1)
+    if path.endswith("split"):
+        force_split_path(topo)
     data = batches(5) if topo.is_source else None
     clock = [time.perf_counter()]
+    with contextlib.ExitStack() as stack:
+        if path.startswith("prefetch"):
+            ahead = stack.enter_context(
+                megapack.prefetch(data, topology=topo, depth=2, timeout=TIMEOUT)
+            )
+            fetch = functools.partial(next, ahead)
+        else:
+            fetch = functools.partial(
+                megapack.get_batch_on_this_tp_rank, data, topology=topo, timeout=TIMEOUT
+            )
+        return _fault_body(fault, topo, fetch, clock)
+
+
+def _fault_body(fault: str, topo: Any, fetch: Any, clock: list[float]) -> Any:
 
     def body() -> int:
         calls = 0
@@ -161,14 +185,17 @@ def run_get_batch_fault(fault: str) -> Any:
                 return calls
             if calls == 2 and fault == "receiver-raises" and topo.tp_rank == 1:
                 raise ValueError("receiver's own training code failed")
-            megapack.get_batch_on_this_tp_rank(data, topology=topo, timeout=TIMEOUT)
+            fetch()
             calls += 1
 
     return outcome(body, clock=clock)
 
 
-def test_get_batch_killed_receiver(pool: WorkerPool) -> None:
-    outcomes = pool.run_outcomes(run_get_batch_fault, 3, "kill-receiver", timeout=30)
+@pytest.mark.parametrize(
+    "path", PATHS[:3]
+)  # each case restarts the pool: prefetch-split adds little
+def test_get_batch_killed_receiver(pool: WorkerPool, path: str) -> None:
+    outcomes = pool.run_outcomes(run_get_batch_fault, 3, "kill-receiver", path, timeout=30)
     assert outcomes[2].status == "died"
     for o in outcomes[:2]:
         kind, _, seconds = o.value
@@ -176,19 +203,19 @@ def test_get_batch_killed_receiver(pool: WorkerPool) -> None:
         assert seconds < TIMEOUT + 5
 
 
-def test_get_batch_stuck_source(pool: WorkerPool) -> None:
-    results = pool.run(run_get_batch_fault, 3, "stuck-source", timeout=30)
+@pytest.mark.parametrize("path", PATHS)
+def test_get_batch_stuck_source(pool: WorkerPool, path: str) -> None:
+    results = pool.run(run_get_batch_fault, 3, "stuck-source", path, timeout=30)
     assert results[0][0] == "ok"  # the source itself just returned after its sleep
+    part = {"frame": "frame broadcast", "split": "header broadcast"}.get(path, "prefetch agreement")
     for kind, message, seconds in results[1:]:
-        assert (
-            kind == "CollectiveError"
-            and "frame broadcast from TP source rank 0 timed out" in message
-        )
+        assert kind == "CollectiveError" and f"{part} " in message and "timed out" in message
         assert seconds < TIMEOUT + 5
 
 
-def test_get_batch_receiver_raises(pool: WorkerPool) -> None:
-    results = pool.run(run_get_batch_fault, 3, "receiver-raises", timeout=30)
+@pytest.mark.parametrize("path", PATHS)
+def test_get_batch_receiver_raises(pool: WorkerPool, path: str) -> None:
+    results = pool.run(run_get_batch_fault, 3, "receiver-raises", path, timeout=30)
     assert results[1][0] == "ValueError"
     for kind, message, seconds in (results[0], results[2]):
         assert kind == "CollectiveError", (kind, message)

@@ -204,7 +204,8 @@ def check_rank(result: dict[str, Any], mbs: int, tp: int) -> None:
     for i, (got, item) in enumerate(zip(result["steps"], items, strict=True)):
         want = expected(item, result["stage"])
         at = f"{where} step {i}"
-        assert got["keys"] == sorted([*TENSOR_KEYS, "max_seqlen", "packed_seq_params"]), at
+        extra = ["dataset_id", "local_cp_size", "max_seqlen", "packed_seq_params"]
+        assert got["keys"] == sorted([*TENSOR_KEYS, *extra]), at
         for key in TENSOR_KEYS:
             w, g = want[key], got[key]
             if w is None:

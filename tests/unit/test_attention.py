@@ -136,8 +136,8 @@ def test_padded_batches_use_causal_attention_or_megatron_mask() -> None:
 def test_errors_name_the_problem() -> None:
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         attention("fast")
-    with pytest.raises(ValueError, match="context_parallel_size=2"):
-        attention("sdpa", context_parallel_size=2)
+    with pytest.raises(ValueError, match=r"cp_layout must be one of .* got 'zigzag'"):
+        PackedAttention(config(), 1, None, "self", pg_collection=TP1, cp_layout="zigzag")  # type: ignore[arg-type]
     with pytest.raises(
         ValueError, match="num_attention_heads=4 and num_query_groups=3 must divide by tp=2"
     ):

@@ -237,3 +237,22 @@ def test_to_packed_seq_params_is_thd_with_int_maxima() -> None:
     assert p.cu_seqlens_q is b.cu_seqlens and p.cu_seqlens_kv is b.cu_seqlens
     assert p.cu_seqlens_q_padded is b.cu_seqlens_padded
     assert p.max_seqlen_q == 4 and type(p.max_seqlen_q) is int and p.max_seqlen_kv == 4
+
+
+def test_sft_module_does_not_import_batch() -> None:
+    # House rule: one import direction. batch builds on sft's row merging, never the reverse.
+    import ast
+    import pathlib
+
+    import megapack.sft
+
+    tree = ast.parse(pathlib.Path(megapack.sft.__file__).read_text())
+    imported = [
+        node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+    ] + [
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    ]
+    assert not [m for m in imported if m.startswith("megapack")], imported

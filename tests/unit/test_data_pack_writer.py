@@ -50,19 +50,21 @@ def same_dirs(a: Path, b: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("long_docs", "multiple"), [("split", 1), ("split", 4), ("truncate", 2), ("drop", 1)]
+    ("long_docs", "multiple", "cp"),
+    [("split", 1, 1), ("split", 4, 1), ("truncate", 2, 1), ("drop", 1, 1), ("split", 1, 2)],
 )
 def test_pack_writer_matches_packed_dataset_save(
-    tmp_path: Path, long_docs: str, multiple: int
+    tmp_path: Path, long_docs: str, multiple: int, cp: int
 ) -> None:
     src = corpus(tmp_path / "d.jsonl")
     docs = list(read_jsonl(src, skip_bad=True))
     PackedDataset(
-        docs, 128, pad_to_multiple_of=multiple, long_docs=long_docs, pad_token_id=256
+        docs, 128, pad_to_multiple_of=multiple, cp_size=cp, long_docs=long_docs, pad_token_id=256
     ).save(tmp_path / "ref")
-    writer = PackWriter(tmp_path / "out", 128, pad_to_multiple_of=multiple, long_docs=long_docs,
-                        pad_token_id=256, buffer_tokens=100)  # fmt: skip
+    writer = PackWriter(tmp_path / "out", 128, pad_to_multiple_of=multiple, cp_size=cp,
+                        long_docs=long_docs, pad_token_id=256, buffer_tokens=100)  # fmt: skip
     meta = writer.write(read_jsonl(src, skip_bad=True))
+    assert meta["pad_to_multiple_of"] == max(multiple, 2 * cp if cp > 1 else 1)
     same_dirs(tmp_path / "ref", tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
         [*(f"{n}.npy" for n in NAMES), "meta.json"]

@@ -14,6 +14,7 @@ EXPECTED_FIELDS = {
     Stage.FIRST: {"tokens", "position_ids", "cu_seqlens"},
     Stage.MIDDLE: {"cu_seqlens"},
     Stage.LAST: {"labels", "loss_mask", "cu_seqlens"},
+    Stage.MTP: {"tokens", "position_ids", "labels", "loss_mask", "cu_seqlens"},
 }
 
 
@@ -23,10 +24,10 @@ def sample() -> PackedBatch:
 
 def test_table_gives_every_stage_the_attention_metadata() -> None:
     by_name = {f.name: f.stages for f in FIELDS}
-    for name in ("cu_seqlens", "cu_seqlens_padded", "attention_mask"):
+    for name in ("cu_seqlens", "cu_seqlens_padded", "attention_mask", "dataset_id"):
         assert by_name[name] == frozenset(Stage)
-    assert by_name["tokens"] == {Stage.ONLY, Stage.FIRST}
-    assert by_name["labels"] == {Stage.ONLY, Stage.LAST}
+    assert by_name["tokens"] == by_name["position_ids"] == {Stage.ONLY, Stage.FIRST, Stage.MTP}
+    assert by_name["labels"] == by_name["loss_mask"] == {Stage.ONLY, Stage.LAST, Stage.MTP}
 
 
 @pytest.mark.parametrize("stage", list(Stage), ids=lambda s: s.value)

@@ -1,0 +1,349 @@
+"""Context-parallel (CP) attention for megapack's kernels: all-gather K/V, attend from global positions.
+
+With cp > 1 every CP rank holds 1/cp of each packed row (`megapack.cp.cp_indices`: zigzag chunks of
+every document, or of the whole row), while the boundaries (``cu_seqlens``, ``cu_seqlens_padded``)
+stay those of the whole row. For the flash_attn, torch_varlen, flex and sdpa backends megapack
+computes attention itself, in three steps:
+
+1. **Gather.** K and V of the local tokens are concatenated and all-gathered over the CP group in
+   one collective, then put back in row order (`GatherRows`). Backward sums each rank's K/V
+   gradients with one reduce-scatter, so every rank gets the gradient of its own tokens.
+2. **Plan.** `CpPlan` rebuilds the global row position of every local query from the boundaries
+   alone (the same `cp_indices` the batch was sliced with) and cuts the real (non-padding) local
+   queries into *segments*: maximal runs that lie in one document at consecutive positions. A
+   segment of queries at positions ``[p, p + n)`` of a document starting at ``s`` attends to the keys
+   ``[s, p + n)``, causally aligned at the bottom right (the last query sees the last key).
+3. **Attend.** The selected queries, and the keys of every segment laid one after another, go to
+   a varlen kernel with ``cu_seqlens_q != cu_seqlens_k`` (flash-attn, torch varlen: causal is bottom-right
+   aligned there), to flex_attention with the equivalent mask, or to the per-segment SDPA reference.
+   Outputs at padding positions are zero, as without CP.
+
+Worked example, one document of 8 tokens, cp = 2, "document" layout, rank 1 holds positions
+``[2, 3, 4, 5]``: one segment, queries at 2..5 attend keys 0..5 (query 2 sees 0..2, query 5 sees
+0..5). In the "row" layout with documents ``[0, 3, 8]``, rank 0 holds ``[0, 1, 6, 7]``: segments
+``{0, 1}`` (keys 0..1 of document 0) and ``{6, 7}`` (keys 3..7 of document 1).
+
+Cost per layer and rank: one all-gather of 2 x T/cp x groups x head_dim (K and V) forward, one
+reduce-scatter of the same size backward; the keys each rank attends to are about
+T + T/(2 cp) (a document's two chunks share their prefix). Transformer Engine has its own CP
+(`PackedAttention` passes it the CP group instead); none of this code runs for it.
+
+Legend: T row positions, Tl = T / cp local positions, Nq real local queries, Nk gathered keys, S
+segments; h query heads, g key/value groups, d head dim (per tensor-parallel partition).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megapack.cp import CpLayout, cp_indices
+
+
+@dataclass(frozen=True, slots=True)
+class CpPlan:
+    """Which local queries attend to which row keys, for one CP rank (see the module docstring)."""
+
+    positions: torch.Tensor
+    """[Tl] int64 global row position of every local query, in local order."""
+    offsets: torch.Tensor
+    """[Tl] int64 position of every local query within its document (RoPE's position)."""
+    q_index: torch.Tensor
+    """[Nq] int64 local indices of the real queries, segment after segment."""
+    k_index: torch.Tensor
+    """[Nk] int64 row positions of the keys of every segment, segment after segment."""
+    cu_q: torch.Tensor
+    """[S + 1] int32 offsets of the segments in the selected queries."""
+    cu_k: torch.Tensor
+    """[S + 1] int32 offsets of the segments in the selected keys."""
+    max_q: int
+    """Longest query segment."""
+    max_k: int
+    """Longest key segment."""
+
+    @classmethod
+    def build(
+        cls,
+        cu_buffer: torch.Tensor,
+        cu_real: torch.Tensor,
+        *,
+        cp_size: int,
+        cp_rank: int,
+        layout: CpLayout,
+        local_total: int,
+    ) -> CpPlan:
+        """The plan of rank ``cp_rank`` for a row with buffer spans ``cu_buffer`` and real lengths ``cu_real``.
+
+        Example:
+            >>> p = CpPlan.build(torch.tensor([0, 3, 8]), torch.tensor([0, 3, 8]), cp_size=2,
+            ...                  cp_rank=0, layout="row", local_total=4)
+            >>> p.positions.tolist(), p.k_index.tolist(), p.cu_q.tolist(), p.cu_k.tolist()
+            ([0, 1, 6, 7], [0, 1, 3, 4, 5, 6, 7], [0, 2, 4], [0, 2, 7])
+        """
+        total = cp_size * local_total
+        if cu_buffer.device.type == "cpu" and int(cu_buffer[-1]) != total:
+            raise ValueError(
+                f"cu_seqlens ends at {int(cu_buffer[-1])} but cp_size={cp_size} ranks hold "
+                f"{cp_size} x {local_total} = {total} positions: pass the whole row's boundaries "
+                f"and this rank's share of the tokens (megapack.get_batch_on_this_tp_rank does)"
+            )
+        cu = cu_buffer.to(torch.int64)
+        positions, doc = row_positions(cu, cp_size, cp_rank, layout=layout, local_total=local_total)
+        offsets = positions - cu[doc]
+        lengths = (cu_real[1:] - cu_real[:-1]).to(torch.int64)
+        q_index = torch.nonzero(offsets < lengths[doc]).flatten()
+        q_pos, q_doc = positions[q_index], doc[q_index]
+        new = torch.ones_like(q_pos, dtype=torch.bool)
+        new[1:] = (q_doc[1:] != q_doc[:-1]) | (q_pos[1:] != q_pos[:-1] + 1)
+        starts = torch.nonzero(new).flatten()
+        ends = torch.cat([starts[1:], starts.new_tensor([len(q_pos)])])
+        len_q = ends - starts
+        first_key = cu[q_doc[starts]]
+        len_k = q_pos[ends - 1] + 1 - first_key if len(starts) else len_q
+        cu_k = F.pad(torch.cumsum(len_k, 0), (1, 0))
+        nk = int(cu_k[-1])
+        within = torch.arange(nk, device=cu.device) - torch.repeat_interleave(
+            cu_k[:-1], len_k, output_size=nk
+        )
+        k_index = torch.repeat_interleave(first_key, len_k, output_size=nk) + within
+        return cls(
+            positions=positions,
+            offsets=offsets,
+            q_index=q_index,
+            k_index=k_index,
+            cu_q=F.pad(torch.cumsum(len_q, 0), (1, 0)).to(torch.int32),
+            cu_k=cu_k.to(torch.int32),
+            max_q=int(len_q.max()) if len(starts) else 0,
+            max_k=int(len_k.max()) if len(starts) else 0,
+        )
+
+
+def row_positions(
+    cu_buffer: torch.Tensor, cp_size: int, cp_rank: int, *, layout: CpLayout, local_total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([Tl] row position, [Tl] document index) of every local token; no host sync.
+
+    Example:
+        >>> pos, doc = row_positions(torch.tensor([0, 3, 8]), 2, 0, layout="row", local_total=4)
+        >>> pos.tolist(), doc.tolist()
+        ([0, 1, 6, 7], [0, 0, 1, 1])
+    """
+    cu = cu_buffer.to(torch.int64)
+    positions = cp_indices(cu, cp_size, cp_rank, layout=layout, total=cp_size * local_total)
+    doc = torch.searchsorted(cu[1:], positions, right=True).clamp(max=len(cu) - 2)
+    return positions, doc
+
+
+def apply_rope(
+    t: torch.Tensor, table: torch.Tensor, offsets: torch.Tensor, config: Any
+) -> torch.Tensor:
+    """megatron-core's RoPE on ``t [Tl, heads, d]`` at positions ``offsets [Tl]`` of ``table [S, 1, 1, r]``.
+
+    Positions past the table (alignment padding beyond ``max_seqlen``) use its last row; their
+    outputs are zeroed by attention anyway.
+    """
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    freqs = table[offsets.clamp(max=table.shape[0] - 1)]  # [Tl, 1, 1, r]
+    return apply_rotary_pos_emb(t.unsqueeze(1), freqs, config).squeeze(1)
+
+
+class GatherRows(torch.autograd.Function):
+    """All-gather [Tl, ...] shares over the CP group into the [T, ...] row; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, order: torch.Tensor, group: Any) -> torch.Tensor:
+        cp = order.shape[0]
+        parts = local.new_empty((cp * local.shape[0], *local.shape[1:]))
+        _all_gather(parts, local.contiguous(), group)
+        row = local.new_empty(parts.shape)
+        row[order.flatten()] = parts
+        ctx.save_for_backward(order)
+        ctx.group = group
+        return row
+
+    @staticmethod
+    def backward(ctx: Any, grad_row: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (order,) = ctx.saved_tensors
+        parts = grad_row[order.flatten()].contiguous()  # rank after rank, each in its local order
+        mine = grad_row.new_empty((order.shape[1], *grad_row.shape[1:]))
+        _reduce_scatter(mine, parts, ctx.group)
+        return mine, None, None
+
+
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: CpPlan,
+    cu_buffer: torch.Tensor,
+    *,
+    group: Any,
+    layout: CpLayout,
+    kernel: str,
+    scale: float,
+    dropout: float,
+) -> torch.Tensor:
+    """Attention of this rank's queries ``q [Tl, h, d]`` over the whole row: returns [Tl, h, dv].
+
+    ``k``/``v`` are this rank's [Tl, g, d] shares, ``plan`` this rank's `CpPlan`, ``cu_buffer`` the
+    whole row's buffer boundaries; ``kernel`` one of ``CROSS_KERNELS``. Every rank of ``group`` must
+    call it, forward and backward.
+    """
+    cp_size, local = dist.get_world_size(group), q.shape[0]
+    order = torch.stack([
+        cp_indices(cu_buffer, cp_size, r, layout=layout, total=cp_size * local)
+        for r in range(cp_size)
+    ])  # fmt: skip
+    kv = GatherRows.apply(torch.cat([k, v], dim=-1), order, group)[plan.k_index]
+    k_sel, v_sel = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    if (
+        plan.max_q == 0
+    ):  # nothing real here: keep K/V in the graph so backward's reduce-scatter runs
+        out = q.new_zeros(0, q.shape[1], v.shape[-1]) + 0.0 * kv.sum()
+    else:
+        out = CROSS_KERNELS[kernel](q[plan.q_index], k_sel, v_sel, plan, scale, dropout)
+    return q.new_zeros(local, q.shape[1], v.shape[-1]).index_copy(0, plan.q_index, out)
+
+
+def sbhd_cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    group: Any,
+    scale: float,
+    dropout: float,
+) -> torch.Tensor:
+    """Padded [b, s] batches split by row over CP (Megatron's pretraining split): [sl, b, h * dv].
+
+    ``q [sl, b, h, d]``, ``k``/``v [sl, b, g, d]`` hold this rank's zigzag share of every sequence
+    (``cp_indices([0, s], cp, rank, layout="row")``); ``mask`` is None (causal) or Megatron's
+    ``[b, 1, sl, s]`` mask (True = masked out) sliced on its query dim as the tokens were.
+    """
+    cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+    local, total = q.shape[0], cp_size * q.shape[0]
+    order = torch.stack(
+        [cp_indices([0, total], cp_size, r, layout="row") for r in range(cp_size)]
+    ).to(q.device)
+    kv = GatherRows.apply(torch.cat([k, v], dim=-1), order, group)  # [s, b, g, dk + dv]
+    k_row, v_row = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    if mask is None:
+        allowed = torch.arange(total, device=q.device)[None, :] <= order[cp_rank][:, None]
+    elif mask.shape[-2:] != (local, total):
+        raise ValueError(
+            f"with cp_size={cp_size} attention_mask must be [b, 1, {local}, {total}] (this rank's "
+            f"queries x all keys), got {tuple(mask.shape)}"
+        )
+    else:
+        allowed = ~mask.to(torch.bool)
+    out = F.scaled_dot_product_attention(
+        q.permute(1, 2, 0, 3), k_row.permute(1, 2, 0, 3), v_row.permute(1, 2, 0, 3),
+        attn_mask=allowed, scale=scale, dropout_p=dropout, enable_gqa=q.shape[2] != k.shape[2],
+    )  # fmt: skip
+    return out.permute(2, 0, 1, 3).reshape(local, q.shape[1], -1)
+
+
+def sdpa_cross(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CpPlan, scale: float, dropout: float
+) -> torch.Tensor:
+    """Reference: one SDPA call per segment with a bottom-right causal mask."""
+    cq, ck = plan.cu_q.tolist(), plan.cu_k.tolist()
+    pieces = [q.new_zeros(0, q.shape[1], v.shape[-1])]
+    for i in range(len(cq) - 1):
+        nq, nk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+        allowed = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
+        seg_q, seg_k, seg_v = (
+            x[None, a:b].transpose(1, 2)
+            for x, a, b in ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1]))
+        )
+        o = F.scaled_dot_product_attention(
+            seg_q, seg_k, seg_v, attn_mask=allowed, scale=scale, dropout_p=dropout,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )  # fmt: skip
+        pieces.append(o[0].transpose(0, 1))
+    return torch.cat(pieces)
+
+
+def flex_cross(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CpPlan, scale: float, dropout: float
+) -> torch.Tensor:
+    """flex_attention with a segment-local bottom-right causal mask (compiled on CUDA)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from megapack.attention_kernels import compiled_flex
+
+    nq, nk = q.shape[0], k.shape[0]
+    seg_q = _segment_of(plan.cu_q, nq)
+    seg_k = _segment_of(plan.cu_k, nk)
+    cu_q, cu_k = plan.cu_q.to(torch.int64), plan.cu_k.to(torch.int64)
+    shift = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])  # [S] keys minus queries
+
+    def segment_causal(b: Any, h: Any, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+        s = seg_q[qi]
+        return (s == seg_k[ki]) & (ki - cu_k[s] <= qi - cu_q[s] + shift[s])
+
+    mask = create_block_mask(segment_causal, None, None, nq, nk, device=q.device)
+    run = compiled_flex() if q.is_cuda else flex_attention
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out = run(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+        )  # fmt: skip
+    return out[0].transpose(0, 1)
+
+
+def varlen_cross(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CpPlan, scale: float, dropout: float
+) -> torch.Tensor:
+    """torch.nn.attention.varlen.varlen_attn, causal (its flash kernel aligns bottom-right)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    out = varlen_attn(
+        q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
+        scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1],
+    )  # fmt: skip
+    return cast(torch.Tensor, out)
+
+
+def flash_attn_cross(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CpPlan, scale: float, dropout: float
+) -> torch.Tensor:
+    """flash_attn_varlen_func, causal: bottom-right aligned when keys outnumber queries (flash-attn >= 2.1)."""
+    from flash_attn import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(
+        q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
+        dropout_p=dropout, softmax_scale=scale, causal=True,
+    )  # fmt: skip
+    return out
+
+
+CROSS_KERNELS = {
+    "sdpa": sdpa_cross,
+    "flex": flex_cross,
+    "torch_varlen": varlen_cross,
+    "flash_attn": flash_attn_cross,
+}
+"""megapack's CP kernels by backend name (Transformer Engine brings its own CP)."""
+
+
+def _segment_of(cu: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.searchsorted(cu[1:].to(torch.int64), torch.arange(n, device=cu.device), right=True)
+
+
+def _all_gather(out: torch.Tensor, local: torch.Tensor, group: Any) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local, group=group)
+
+
+def _reduce_scatter(out: torch.Tensor, parts: torch.Tensor, group: Any) -> None:
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, parts, group=group)

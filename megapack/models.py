@@ -1,0 +1,167 @@
+"""A tiny megatron-core GPT fed by megapack: the model the throughput bench, examples and tests train.
+
+* `TinyGPT` builds megatron-core's ``GPTModel`` with `megapack.megatron.packed_gpt_layer_spec` for
+  this rank's pipeline stage (megatron-core ``parallel_state`` must be initialized).
+* `init_weights` gives every rank the slice of one topology-independent set of full weights: each
+  full tensor is drawn from a generator seeded by (seed, global parameter name), then cut along its
+  ``partition_dim`` for this TP rank. So tp=2 x pp=4 starts from exactly the weights of tp=1 x pp=1,
+  without saving or moving a checkpoint.
+* `forward_step` is a pretrain_gpt-style ``forward_step_func`` that calls
+  `megapack.get_batch_on_this_tp_rank` and returns a masked mean loss per micro-batch
+  (`masked_mean_loss`).
+
+The MLP is ungated (GELU): a gated fc1 interleaves its two halves across TP ranks, which a plain
+slice of the full tensor would not reproduce. megatron-core is imported lazily, inside the calls.
+
+Example:
+    >>> gpt = TinyGPT(num_layers=2, hidden_size=32)              # doctest: +SKIP
+    >>> model = gpt.build()                                      # doctest: +SKIP
+    >>> init_weights(model, seed=7)                              # same weights on every grid
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megapack.cp import CpLayout
+from megapack.topology import Topology
+from megapack.transfer import get_batch_on_this_tp_rank
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TinyGPT:
+    """Sizes of a GPT small enough for CPU tests; grouped-query attention on by default."""
+
+    num_layers: int = 4
+    """Transformer layers in the whole model (divided among pipeline stages)."""
+    hidden_size: int = 32
+    """Model width."""
+    num_attention_heads: int = 4
+    """Query heads (divisible by tp)."""
+    num_query_groups: int = 2
+    """Key/value heads (divisible by tp)."""
+    vocab_size: int = 128
+    """Vocabulary size (divisible by tp)."""
+    max_sequence_length: int = 256
+    """Longest position for learned absolute embeddings."""
+    position_embedding_type: str = "rope"
+    """"rope" or "learned_absolute"."""
+    backend: str = "auto"
+    """Attention backend for `megapack.attention.PackedAttention`."""
+    cp_layout: CpLayout = "document"
+    """How packed rows are split over context-parallel ranks (used when cp > 1)."""
+
+    def build(self, *, vp_stage: int | None = None) -> Any:
+        """This rank's ``GPTModel`` chunk, on CPU, fp32, no dropout, untied embeddings."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer import TransformerConfig
+
+        from megapack.megatron import packed_gpt_layer_spec
+
+        config = TransformerConfig(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+            context_parallel_size=ps.get_context_parallel_world_size(),
+            pipeline_dtype=torch.float32,
+            params_dtype=torch.float32,
+            use_cpu_initialization=True,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=packed_gpt_layer_spec(self.backend, cp_layout=self.cp_layout),
+            vocab_size=self.vocab_size,
+            max_sequence_length=self.max_sequence_length,
+            pre_process=ps.is_pipeline_first_stage(
+                ignore_virtual=vp_stage is None, vp_stage=vp_stage
+            ),
+            post_process=ps.is_pipeline_last_stage(
+                ignore_virtual=vp_stage is None, vp_stage=vp_stage
+            ),
+            share_embeddings_and_output_weights=False,
+            position_embedding_type=self.position_embedding_type,
+            vp_stage=vp_stage,
+        )
+
+
+def init_weights(model: torch.nn.Module, seed: int) -> None:
+    """Load this rank's slice of topology-independent full weights into ``model`` (in place)."""
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    layers = getattr(getattr(model, "decoder", None), "layers", [])
+    global_index = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            parts = name.split(".")
+            if parts[:2] == ["decoder", "layers"]:
+                parts[2] = global_index[parts[2]]
+            full_name = ".".join(parts)
+            split = bool(getattr(param, "tensor_model_parallel", False))
+            dim = int(getattr(param, "partition_dim", 0))
+            shape = list(param.shape)
+            if split:
+                shape[dim] *= tp
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(full_name.encode()))
+            full = torch.randn(shape, generator=gen)
+            if "norm" in full_name and full_name.endswith("weight"):
+                full = 1.0 + 0.1 * full
+            else:
+                full = (0.01 if full_name.endswith("bias") else 0.05) * full
+            param.copy_(full.chunk(tp, dim=dim)[tp_rank] if split else full)
+
+
+def masked_mean_loss(
+    loss_mask: torch.Tensor, per_token: torch.Tensor, cp_group: Any = None
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Mean loss over trained positions of one micro-batch; also reports the masked per-token losses.
+
+    With a context-parallel ``cp_group`` each rank holds a share of the tokens: the loss is this
+    share's sum over the whole micro-batch's trained-token count, so the CP ranks' losses add up to
+    the micro-batch mean. megatron-core's schedule multiplies a returned loss by cp and its DDP
+    averages gradients over the dp x cp group: together, the gradient of that mean. The reported
+    ``"lm loss"`` is the mean itself, on every CP rank.
+    """
+    mask = loss_mask.float()
+    count = mask.sum()
+    if cp_group is not None:
+        count = count.detach().clone()
+        dist.all_reduce(count, group=cp_group)
+    loss = (per_token.float() * mask).sum() / count.clamp(min=1.0)
+    reported = loss.detach().clone()  # clone(): the schedule divides the loss in place
+    if cp_group is not None:
+        dist.all_reduce(reported, group=cp_group)
+    return loss, {"lm loss": reported, "per_token": (per_token.detach() * mask).clone()}
+
+
+def forward_step(
+    topology: Topology | None, data_iterator: Any, model: Any
+) -> tuple[torch.Tensor, Any]:
+    """pretrain_gpt-style forward step: megapack delivers the batch, the model computes per-token loss.
+
+    Use as ``functools.partial(forward_step, topology)`` for megatron-core's schedules.
+    """
+    if topology is None:
+        topology = Topology.from_parallel_state()
+    batch = get_batch_on_this_tp_rank(data_iterator, topology=topology)
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+        packed_seq_params=batch["packed_seq_params"],
+    )
+    cp_group = topology.cp_group if topology.cp_size > 1 else None
+    return output, functools.partial(masked_mean_loss, batch["loss_mask"], cp_group=cp_group)

@@ -1,0 +1,261 @@
+"""`prefetch`: the next micro-batches travel in a background thread while the current step computes.
+
+Without prefetch a training step waits in `get_batch_on_this_tp_rank` for the source to read,
+validate and encode the batch and for the broadcast. With ``prefetch(data_iterator, depth=k)``
+every TP rank runs those calls in a background thread, up to ``k`` batches ahead, on a dedicated
+*data group* (same ranks as the TP group, so the model's own TP collectives never interleave with
+the transfer; on NCCL also a dedicated CUDA stream), and ``next()`` only takes a finished batch.
+
+Semantics are those of calling `get_batch_on_this_tp_rank` once per step:
+
+* batches come in the same order, with the same values, shapes and dtypes;
+* a batch that failed (the source's own exception there, `RemoteDataError` on its peers) is
+  raised by the ``next()`` that would have returned it, and the following ``next()`` goes on;
+* StopIteration comes from the ``next()`` after the last batch, never earlier, and again after;
+* a stuck or crashed peer surfaces as `CollectiveError` within megapack's timeout.
+
+Shutdown: ``close()`` (or leaving the ``with`` block, e.g. on an exception) stops every TP rank's
+thread at the same batch, because before each transfer the threads agree to go on with one tiny
+all-gather on the data group's CPU control group (which also names a rank that closed early). It
+joins the thread, so no thread and no pending collective is left; the data group is reused by the
+next prefetcher of the group. Batches already read ahead from ``data_iterator`` are dropped.
+
+Example (every TP rank, at the same point; only the source's iterator is read)::
+
+    with megapack.prefetch(train_iter if is_tp_source else None, topology=topo, depth=2) as batches:
+        for _ in range(steps):
+            batch = next(batches)          # usually ready: no wait
+            loss = model(batch["tokens"], ...)
+
+Pass ``batches`` to Megatron's schedule as the data iterator; a ``forward_step`` then takes
+``next(data_iterator)`` instead of calling `get_batch_on_this_tp_rank`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import queue
+import threading
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megapack import comm
+from megapack.errors import CollectiveError, ProtocolError
+from megapack.side_groups import control_group, registered_control_group, set_control_group
+from megapack.topology import Topology
+from megapack.transfer import get_batch_on_this_tp_rank
+
+
+@dataclasses.dataclass(slots=True)
+class _DataGroup:
+    """A process group with the TP group's ranks that carries prefetch transfers."""
+
+    group: dist.ProcessGroup
+    """The group itself (the TP group's backend)."""
+    in_use: bool
+    """Whether an open prefetcher is using it."""
+
+
+# Per TP group, the data groups made so far. Every TP rank creates and closes prefetchers in the
+# same order, so all of them pick the same data group.
+_data_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, list[_DataGroup]] = (
+    weakref.WeakKeyDictionary()
+)
+_FATAL = (CollectiveError, ProtocolError)
+
+
+def prefetch(
+    data_iterator: Iterator[Any] | None,
+    *,
+    topology: Topology | None = None,
+    depth: int = 1,
+    timeout: float | None = None,
+) -> Prefetcher:
+    """Start prefetching ``depth`` micro-batches ahead; see `Prefetcher` and the module docstring."""
+    return Prefetcher(data_iterator, topology=topology, depth=depth, timeout=timeout)
+
+
+class Prefetcher:
+    """An iterator of `get_batch_on_this_tp_rank` results, fetched ``depth`` ahead in a thread.
+
+    Args:
+        data_iterator: the TP source's iterator; ignored (may be None) on the other TP ranks.
+        topology: this rank's place in the grid; default: from megatron-core's ``parallel_state``.
+        depth: how many batches may be fetched ahead, 1 or more.
+        timeout: seconds a collective waits for a peer (default: $MEGAPACK_TIMEOUT_S or 300).
+
+    Every rank of the TP group must create it at the same point (the first prefetcher of a TP
+    group creates its data group, collectively over the TP ranks) and close it at the same point.
+    """
+
+    def __init__(
+        self,
+        data_iterator: Iterator[Any] | None,
+        *,
+        topology: Topology | None = None,
+        depth: int = 1,
+        timeout: float | None = None,
+    ) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"prefetch depth must be an int >= 1, got {depth!r}")
+        topo = topology if topology is not None else Topology.from_parallel_state()
+        self._timeout = comm.collective_timeout(timeout)
+        self._iterator = data_iterator
+        self._slot: _DataGroup | None = None
+        self._control: dist.ProcessGroup | None = None
+        if topo.tp_group is not None:
+            self._slot = _take_data_group(topo)
+            data_group = self._slot.group
+            topo = dataclasses.replace(topo, tp_group=data_group)
+            self._control = control_group(data_group)
+        self._topo = topo
+        self._stream = torch.cuda.Stream(topo.device) if topo.device.type == "cuda" else None
+        self._slots = threading.Semaphore(depth)
+        self._items: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        self._closing = threading.Event()
+        self._finished: BaseException | None = None  # raised again by every later next()
+        self._thread = threading.Thread(target=self._run, name="megapack-prefetch", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._finished is not None:
+            raise self._finished
+        kind, value, event = self._take()
+        if kind == "batch":
+            self._slots.release()
+            if event is not None:
+                _adopt(value, event)
+            return value
+        if kind == "error":
+            self._slots.release()
+            raise value
+        self._finished = StopIteration() if kind == "stop" else value
+        raise self._finished
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the thread at the same batch on every TP rank and join it. Safe to call twice."""
+        if self._closing.is_set() and not self._thread.is_alive():
+            return
+        self._closing.set()
+        self._slots.release()  # wake a thread waiting for room
+        self._thread.join(timeout=self._timeout + 5.0)
+        if self._thread.is_alive():
+            warnings.warn(
+                f"megapack prefetch thread on rank {dist.get_rank()} did not stop within "
+                f"{self._timeout + 5:g} s (a peer is stuck); the data group is not reused",
+                stacklevel=2,
+            )
+            return
+        if self._slot is not None:
+            self._slot.in_use = False
+            self._slot = None
+        if self._finished is None:
+            self._finished = RuntimeError("this megapack prefetcher is closed; create a new one")
+
+    # ---- the background thread
+
+    def _run(self) -> None:
+        step = 0
+        while True:
+            self._slots.acquire()
+            try:
+                if not self._agree(step):
+                    return
+            except BaseException as exc:  # the agreement's collective failed
+                self._items.put(("fatal", exc, None))
+                return
+            try:
+                with torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext():
+                    batch = get_batch_on_this_tp_rank(
+                        self._iterator, topology=self._topo, timeout=self._timeout
+                    )
+                    event = None
+                    if self._stream is not None:
+                        event = torch.cuda.Event()
+                        event.record(self._stream)
+                self._items.put(("batch", batch, event))
+            except StopIteration:
+                self._items.put(("stop", None, None))
+                return
+            except _FATAL as exc:
+                self._items.put(("fatal", exc, None))
+                return
+            except BaseException as exc:  # a data error: the protocol stayed in step, go on
+                self._items.put(("error", exc, None))
+            step += 1
+
+    def _agree(self, step: int) -> bool:
+        """True when every TP rank's thread goes on to transfer batch ``step`` (one CPU all-gather)."""
+        going = not self._closing.is_set()
+        if self._control is None:
+            return going
+        what = f"megapack prefetch agreement before batch {step}"
+        flag = torch.tensor([1 if going else 0], dtype=torch.int32)
+        flags = comm.all_gather(flag, group=self._control, what=what, timeout=self._timeout)
+        closed = [r for r, f in zip(self._topo.tp_ranks, flags, strict=True) if int(f) == 0]
+        if not closed:
+            return True
+        if going:  # a peer closed while this rank still wants batches: tell this rank's caller
+            self._items.put(("fatal", _closed_by(closed, step), None))
+        return False
+
+    def _take(self) -> tuple[str, Any, Any]:
+        while True:
+            try:
+                return self._items.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._items.empty():
+                    return (
+                        "fatal",
+                        RuntimeError("megapack prefetch thread ended unexpectedly"),
+                        None,
+                    )
+
+
+def _take_data_group(topo: Topology) -> _DataGroup:
+    """A free data group (same ranks as the TP group) for a new prefetcher, created when none is free."""
+    assert topo.tp_group is not None
+    slots = _data_groups.setdefault(topo.tp_group, [])
+    for slot in slots:
+        if not slot.in_use:
+            slot.in_use = True
+            return slot
+    ranks = list(topo.tp_ranks)
+    group = dist.new_group(ranks, use_local_synchronization=True)
+    if registered_control_group(topo.tp_group) is not None:  # forced split path: keep it
+        twin = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        set_control_group(group, twin)
+    slot = _DataGroup(group=group, in_use=True)
+    slots.append(slot)
+    return slot
+
+
+def _adopt(batch: dict[str, Any], event: Any) -> None:
+    """Make the current stream wait for the prefetch stream's copy, and keep the memory alive for it."""
+    stream = torch.cuda.current_stream()
+    stream.wait_event(event)
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            value.record_stream(stream)
+
+
+def _closed_by(ranks: list[int], step: int) -> CollectiveError:
+    return CollectiveError(
+        f"megapack prefetch stopped before batch {step}: rank(s) {ranks} closed their prefetcher "
+        "(e.g. after an exception); every TP rank must close it at the same point"
+    )

@@ -1,0 +1,75 @@
+"""Tests of megapack.models: the tiny GPT, its topology-independent weights and its forward step."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from megapack.models import TinyGPT, init_weights, masked_mean_loss
+
+
+def test_masked_mean_loss_counts_only_trained_positions() -> None:
+    mask = torch.tensor([[1, 0, 1, 1]])
+    per_token = torch.tensor([[2.0, 100.0, 4.0, 6.0]])
+    loss, report = masked_mean_loss(mask, per_token)
+    assert loss.item() == pytest.approx(4.0)
+    assert report["lm loss"].item() == pytest.approx(4.0)
+    assert report["per_token"].tolist() == [[2.0, 0.0, 4.0, 6.0]]
+
+
+def test_masked_mean_loss_of_an_all_masked_batch_is_zero_not_nan() -> None:
+    loss, _ = masked_mean_loss(torch.zeros(1, 3), torch.ones(1, 3))
+    assert loss.item() == 0.0
+
+
+def test_masked_mean_loss_report_is_not_the_returned_tensor() -> None:
+    loss, report = masked_mean_loss(torch.ones(1, 2), torch.ones(1, 2))
+    loss /= 2  # the schedule divides in place by the number of micro-batches
+    assert report["lm loss"].item() == 1.0
+
+
+def full_weights(tp: int, pp: int) -> dict[str, Any]:
+    """On every rank: build the TinyGPT, load seed-7 weights, return this rank's named parameters."""
+    from megatron.core import parallel_state as ps
+
+    from megapack.testing.megatron_cpu import megatron_on_cpu
+
+    megatron_on_cpu()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model = TinyGPT(num_layers=2, hidden_size=16, num_attention_heads=2, num_query_groups=2).build()
+    init_weights(model, seed=7)
+    layers = model.decoder.layers
+    index = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
+    out = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = index[parts[2]]
+        split = bool(getattr(p, "tensor_model_parallel", False))
+        out[".".join(parts)] = (
+            p.detach().clone(),
+            int(getattr(p, "partition_dim", 0)) if split else None,
+        )
+    return out
+
+
+@pytest.mark.distributed
+def test_init_weights_are_the_same_full_weights_on_every_grid(dist_pool: Any) -> None:
+    (single,) = dist_pool.run(functools.partial(full_weights, 1, 1), 1, timeout=120)
+    ranks = dist_pool.run(functools.partial(full_weights, 2, 2), 4, timeout=120)
+    seen = set()
+    for name, (full, _) in single.items():
+        holders = [r for r in ranks if name in r]  # tp rank order: global ranks are tp-fastest
+        assert holders, f"{name} is on no rank of tp=2 x pp=2"
+        dim = holders[0][name][1]
+        got = (
+            torch.cat([h[name][0] for h in holders], dim)
+            if dim is not None
+            else holders[0][name][0]
+        )
+        torch.testing.assert_close(got, full, rtol=0, atol=0, msg=name)
+        seen.add(name)
+    assert seen == set(single) and len(seen) > 10
