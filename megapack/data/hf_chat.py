@@ -22,8 +22,8 @@ Loss mask (assistant-only), in two ways:
 
 Worked example, ChatML (``<|im_start|>{role}\\n{content}<|im_end|>\\n``), ``[user "hi", assistant
 "yo"]``: the text is ``<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\nyo<|im_end|>\\n``;
-``P`` ends after ``<|im_start|>assistant\\n``, so ``yo<|im_end|>\\n`` is learned, and the
-assistant message starts a boundary at the token of ``<|im_start|>assistant``.
+``P`` ends after ``<|im_start|>assistant\\n``, so ``yo<|im_end|>\\n`` is learned; the next message
+(if any) starts at a boundary, a cut point for conversations longer than a row.
 
 Unlike the built-in `ChatTemplate` (the documented fallback, e.g. for `ByteTokenizer`), no eos is
 appended: the template decides how turns end. Cost: one render and one ``encode`` per
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,7 +83,7 @@ class HFChatTemplate:
     @property
     def has_generation_markers(self) -> bool:
         """Whether the template marks assistant text with ``{% generation %}``."""
-        return "generation" in self.source and "endgeneration" in self.source
+        return re.search(r"{%-?\s*generation\s*-?%}", self.source) is not None
 
     @classmethod
     def from_pretrained(
@@ -171,8 +172,9 @@ class HFChatTemplate:
             where: ``"file:row"`` for errors.
 
         Returns:
-            ``(tokens int64 [n], loss_mask float32 [n], boundaries)``; boundaries are the first
-            tokens of messages after the first, where the template renders prefixes stably.
+            ``(tokens int64 [n], loss_mask float32 [n], boundaries)``; boundaries are the tokens
+            right after each learned span (without markers: the start of the message after each
+            assistant turn), where `split_document` cuts a conversation longer than a row.
 
         Raises:
             TypeError: ``tokenizer`` is not an `HFTokenizer`.
@@ -193,7 +195,6 @@ class HFChatTemplate:
             )
             if not self.has_generation_markers:
                 spans = self._incremental_spans(messages, tools, text, where)
-            cuts = self._message_starts(messages, tools, text)
         except TemplateError as e:
             roles = [m.get("role") for m in messages]
             raise BadLineError(
@@ -208,6 +209,7 @@ class HFChatTemplate:
             if first is None:
                 break
             mask[first : (last + 1 if last is not None else len(ids))] = 1.0
+        cuts = (stop for _, stop in spans)  # where a learned turn ends, the next part starts
         starts = sorted({t for c in cuts if 0 < (t := _first_token_at(offsets, c)) < len(ids)})
         return ids, mask, tuple(starts)
 
@@ -259,22 +261,6 @@ class HFChatTemplate:
                 )
             spans.append((len(prompt), len(turn)))
         return spans
-
-    def _message_starts(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None, text: str
-    ) -> list[int]:
-        """Character offsets where messages 1.. start, where prefixes render stably."""
-        from jinja2.exceptions import TemplateError
-
-        cuts = []
-        for i in range(1, len(messages)):
-            try:
-                prefix, _ = self.render_text(messages[:i], tools=tools)
-            except TemplateError:  # e.g. a template that insists on a final assistant turn
-                continue
-            if text.startswith(prefix):
-                cuts.append(len(prefix))
-        return cuts
 
 
 def _char_to_token(offsets: np.ndarray, char: int) -> int | None:
