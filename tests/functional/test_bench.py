@@ -39,7 +39,9 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
         stages = r["bytes_per_stage"]
         assert set(stages) == {"only", "first", "middle", "last", "mtp"}, stages
         assert stages["middle"] < min(stages["first"], stages["last"]) <= stages["only"], stages
-        assert stages["last"] < stages["mtp"], stages  # MTP layers on the last stage embed tokens too
+        assert stages["last"] < stages["mtp"], (
+            stages
+        )  # MTP layers on the last stage embed tokens too
         assert r["payload_bytes"] == stages["only"] and r["megatron_bytes"] > 0
     assert "megapack / bare Megatron" in done.stdout and "Bytes per micro-batch" in done.stdout
     modes = {(r["dataset"], r["mode"]) for r in data["throughput"]}
