@@ -10,9 +10,10 @@ Each epoch shuffles the rows with ``(seed, epoch)``, groups ``rows_per_micro_bat
 THD micro-batch, and pads the number of micro-batches to a multiple of ``dp_size * micro_batches``
 with zero-loss micro-batches, so every data-parallel rank gets the same count, in whole optimizer
 steps (item i of rank r is micro-batch r + i * dp_size). Nothing is dropped. With
-``balance="compute"`` the rows of every global batch (``dp_size * micro_batches`` micro-batches)
-are dealt so that each rank's step costs about the same under ``cost``, and each rank's micro-batches
-are put in pipeline-friendly order (`megapack.packing.balance`); every rank computes the same order.
+``balance="compute"`` the shuffled rows are formed into global batches (``dp_size *
+micro_batches`` micro-batches) of similar-cost layers and dealt so that each rank's step costs
+about the same under ``cost``, each rank's micro-batches in pipeline-friendly order
+(`megapack.packing.balance`); every rank computes the same order, without communication.
 
 Storage is flat numpy arrays (tokens, loss mask, document offsets, bins as (doc, start, stop)
 slices), the same in memory and on disk: `save` writes them, `load` memory-maps them back.

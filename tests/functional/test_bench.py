@@ -53,6 +53,7 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
         assert r["prefetch_blocked_ms"] >= 0 and r["prefetch_step_ms"] >= r["compute_ms"], r
         stages = r["bytes_per_stage"]
         assert set(stages) == {"only", "first", "middle", "last", "mtp"}, stages
+        assert stages["mtp"] == stages["only"], stages  # MTP layers need both ends' fields
         assert stages["middle"] < min(stages["first"], stages["last"]) <= stages["only"], stages
         assert stages["last"] < stages["mtp"], (
             stages
