@@ -308,6 +308,7 @@ def _cost_model(args: argparse.Namespace) -> tuple[Any, str]:
 
 def _balance_report(args: argparse.Namespace, lengths: np.ndarray) -> dict[str, Any]:
     from megapack.packing.compare import compare_plans
+    from megapack.packing.names import BALANCE_MODES
 
     cost, label = _cost_model(args)
     dp = 1 if args.dp is None else args.dp
@@ -319,7 +320,7 @@ def _balance_report(args: argparse.Namespace, lengths: np.ndarray) -> dict[str, 
     print(f"\ndata-parallel balance: dp {dp}, {m} micro-batches of {args.rows_per_micro_batch} row(s)"
           f" per rank per step, {r['global_batches']:,} full global batches; cost {label}")  # fmt: skip
     print("| plan | imbalance (max / mean rank cost) | efficiency |\n| --- | --- | --- |")
-    for mode in ("token", "compute"):
+    for mode in BALANCE_MODES:
         print(
             f"| {mode} | {r[f'imbalance_{mode}_plan']:.4f} | {r[f'efficiency_{mode}_plan']:.2%} |"
         )

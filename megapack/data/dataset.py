@@ -33,7 +33,7 @@ from megapack.batch import PackedBatch
 from megapack.data.document import Document
 from megapack.data.layout import FORMAT_VERSION, check_layout, plan_layout
 from megapack.data.split import split_document
-from megapack.packing.names import LONG_DOC_POLICIES
+from megapack.packing.names import BALANCE_MODES, LONG_DOC_POLICIES
 
 if TYPE_CHECKING:
     from megapack.packing.cost import CostModel
@@ -119,8 +119,8 @@ class PackedDataset:
 
         _check_positive(rows_per_micro_batch=rows_per_micro_batch, dp_size=dp_size)
         _check_positive(micro_batches=micro_batches)
-        if balance not in ("token", "compute"):
-            raise ValueError(f"balance={balance!r}; choose 'token' or 'compute'")
+        if balance not in BALANCE_MODES:
+            raise ValueError(f"balance={balance!r}; choose one of {BALANCE_MODES}")
         check_balance(
             balance, dp_size=dp_size, micro_batches=micro_batches,
             rows_per_micro_batch=rows_per_micro_batch, cost=cost,

@@ -48,8 +48,19 @@ from __future__ import annotations
 
 import numpy as np
 
-BALANCE_MODES = ("token", "compute")
-"""Names accepted by ``balance=``: "token" keeps the shuffled order, "compute" balances it."""
+from megapack.packing.names import BALANCE_MODES
+
+__all__ = [
+    "BALANCE_MODES",  # defined in megapack.packing.names, the one home of choice lists
+    "balance_order",
+    "check_balance",
+    "compute_order",
+    "imbalance",
+    "order_rows",
+    "partition",
+    "pipeline_order",
+    "rank_costs",
+]
 
 _MAX_SWAPS = 1_000
 """Safety cap on the swap refinement of one partition (each swap strictly lowers the sorted loads)."""

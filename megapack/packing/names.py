@@ -1,4 +1,5 @@
-"""The names every module and CLI choice list reads: packing algorithms and long-document policies.
+"""The names every module and CLI choice list reads: packing algorithms, long-document policies,
+balance modes.
 
 Defined here once (a leaf module, nothing imported) so that `plan`, `StreamingPacker`,
 `PackedDataset`, `PackWriter`, the CLI's ``choices=`` and the bench cannot drift apart.
@@ -10,3 +11,7 @@ ALGORITHMS = ("bfd", "ffd", "first_fit", "next_fit", "best")
 LONG_DOC_POLICIES = ("split", "truncate", "drop", "error")
 """What happens to a document longer than a row (see `megapack.packing.items`); "split" is the
 default."""
+
+BALANCE_MODES = ("token", "compute")
+"""How rows are dealt to data-parallel ranks (see `megapack.packing.balance`): "token" keeps the
+seeded shuffle, "compute" balances every global batch's step cost; "token" is the default."""

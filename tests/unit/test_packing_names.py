@@ -15,6 +15,9 @@ from megapack.packing.items import make_items
 def test_every_choice_list_reads_the_one_definition() -> None:
     assert (ALGORITHMS, LONG_DOC_POLICIES) == (names.ALGORITHMS, names.LONG_DOC_POLICIES)
     assert dataset.LONG_DOCS is names.LONG_DOC_POLICIES
+    from megapack.packing import balance, streaming
+
+    assert balance.BALANCE_MODES is streaming.BALANCE_MODES is names.BALANCE_MODES
     parser = build_parser()
     pack = next(a for a in parser._actions if a.dest == "command").choices["pack"]  # type: ignore[union-attr]
     choices = {a.dest: tuple(a.choices) for a in pack._actions if a.choices}
