@@ -7,7 +7,7 @@
 Inputs are anything `megapack.data.read_documents` reads (.jsonl/.json, megatron .bin/.idx, .npy/.npz).
 A bad JSONL line stops the command with its file and line, or is skipped and counted with --skip-bad.
 Errors in the input or the flags end the command with one line on stderr and exit code 2.
-`python -m megapack` is the same command. ``--help`` imports neither torch nor numpy (< 0.5 s).
+`python -m megapack` is the same command. ``--help`` never imports torch.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import argparse
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
 
 from megapack.cli_report import pack_report, plural
-
-if TYPE_CHECKING:
-    import numpy as np
 
 T = TypeVar("T")
 READER_FLAGS = {"skip_bad": "--skip-bad", "eos_id": "--eos-id"}
@@ -47,67 +47,187 @@ def progress(
     out.flush()
 
 
-def _tokenizer(args: argparse.Namespace) -> Any:
+def _tokenizer(path: str | None, eos_token: str | None = None) -> Any:
     from megapack.data import ByteTokenizer, HFTokenizer
 
-    if args.tokenizer:
-        return HFTokenizer.from_file(args.tokenizer, eos_token=args.eos_token)
-    if args.eos_token:
+    if path:
+        return HFTokenizer.from_file(path, eos_token=eos_token)
+    if eos_token:
         raise ValueError(
-            f"--eos-token {args.eos_token!r} needs --tokenizer: the built-in byte tokenizer's "
-            "eos is fixed"
+            f"--eos-token {eos_token!r} needs --tokenizer: the built-in byte tokenizer's eos is fixed"
         )
     return ByteTokenizer()
 
 
-def _read(args: argparse.Namespace, tokenizer: Any = None) -> tuple[list[Any], str]:
+def _open_reader(args: argparse.Namespace, tokenizer: Any, **options: Any) -> Any:
+    """`read_documents` for the input; an option the input's reader does not take names its flag."""
     from megapack.data import read_documents
 
-    options: dict[str, Any] = {"skip_bad": True} if args.skip_bad else {}
-    if args.eos_id is not None:
+    if getattr(args, "eos_id", None) is not None:
         options["eos_id"] = args.eos_id
     try:
-        reader = read_documents(args.input, tokenizer or _tokenizer(args), **options)
-    except TypeError as e:  # an option the input's reader does not take: name the flag
+        return read_documents(args.input, tokenizer, **options)
+    except TypeError as e:
         flag = next((f for name, f in READER_FLAGS.items() if f"option {name!r}" in str(e)), None)
         if flag is None:
             raise
         raise ValueError(f"{flag} does not apply to {args.input} ({e})") from None
-    docs = list(progress(reader, f"reading {args.input}"))
+
+
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    """``--tokenizer`` and the chat template flags."""
+    p.add_argument(
+        "--tokenizer",
+        help="a HF tokenizer directory (tokenizer.json + tokenizer_config.json; its chat_template "
+        "renders chat records) or a bare tokenizer.json (default: the built-in byte tokenizer)",
+    )
+    p.add_argument(
+        "--builtin-chat-template",
+        action="store_true",
+        help="render chats with megapack's built-in template even when the tokenizer has its own",
+    )
+    p.add_argument("--chat-template-name", help="which of several named chat templates to use")
+
+
+def chat_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``chat_template=`` for record readers: the tokenizer directory's own template, if any."""
+    if not args.tokenizer or args.builtin_chat_template or not Path(args.tokenizer).is_dir():
+        return {}
+    from megapack.data.hf_chat import HFChatTemplate
+
+    template = HFChatTemplate.from_pretrained(args.tokenizer, name=args.chat_template_name)
+    return {"chat_template": template} if template is not None else {}
+
+
+RECORD_SUFFIXES = (
+    ".jsonl",
+    ".json",
+    ".jsonl.gz",
+    ".json.gz",
+    ".parquet",
+    ".arrow",
+    ".feather",
+    ".ipc",
+)
+
+
+def add_reader_arguments(p: argparse.ArgumentParser) -> None:
+    """Column mapping, ``--shard`` and ``--workers`` for record inputs (JSONL, Parquet, Arrow)."""
+    for part in ("text", "prompt", "completion", "messages", "tools"):
+        p.add_argument(
+            f"--{part}-field",
+            default=part,
+            metavar="KEY",
+            help=f"key/column of the {part} (default {part})",
+        )
+    p.add_argument(
+        "--shard",
+        metavar="RANK/WORLD",
+        help="read only this share of the rows (e.g. 0/8), disjoint across ranks",
+    )
+    p.add_argument(
+        "--workers", type=int, default=1, help="processes converting rows (default 1: this one)"
+    )
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"2/8"`` -> ``(2, 8)``; ValueError naming --shard otherwise."""
+    try:
+        rank, world = (int(v) for v in text.replace(",", "/").split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {text!r}: expected RANK/WORLD, e.g. 0/8") from None
+    return rank, world
+
+
+def reader_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Options for `read_documents` from the flags; record-only ones only for record inputs."""
+    options: dict[str, Any] = {"skip_bad": True} if args.skip_bad else {}
+    if not _is_record_input(args.input):
+        return options
+    from megapack.data import Fields
+
+    parts = ("text", "prompt", "completion", "messages", "tools")
+    fields = Fields(**{part: getattr(args, f"{part}_field") for part in parts})
+    if fields != Fields():
+        options["fields"] = fields
+    if args.shard:
+        options["shard"] = parse_shard(args.shard)
+    if args.workers != 1:
+        options["workers"] = args.workers
+    return options | chat_options(args)
+
+
+def _read_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
+    """Document lengths of the input (streamed: no document is kept) and a bad-line note."""
+    options = reader_options(args)
+    reader = _open_reader(args, _tokenizer(args.tokenizer, args.eos_token), **options)
+    docs = progress(reader, f"reading {args.input}")
+    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64)
     stats = getattr(reader, "stats", None)
     note = (
         f"{plural(stats.skipped, 'bad line')} skipped {dict(stats.skipped_by_problem)}"
         if stats and stats.skipped
         else ""
     )
-    return docs, note
+    return lengths, note
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
-    from megapack.data import PackedDataset
+    from itertools import islice
 
-    tokenizer = _tokenizer(args)
-    docs, note = _read(args, tokenizer)
+    from megapack.data.pack_writer import PackWriter
+    from megapack.progress import Progress
+
+    tokenizer = _tokenizer(args.tokenizer, args.eos_token)
+    options = reader_options(args)
+    same = {k: v for k, v in options.items() if k not in ("skip_bad", "workers")}  # may change
+    config = {"input": str(Path(args.input).resolve()), "tokenizer": args.tokenizer, **same}
     start = time.perf_counter()
-    dataset = PackedDataset(
-        docs, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, cp_size=args.cp_size, algorithm=args.algorithm,
-        long_docs=args.long_docs, seed=args.seed, pad_token_id=tokenizer.pad_id,
+    writer = PackWriter(
+        args.out, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, cp_size=args.cp_size,
+        algorithm=args.algorithm,
+        long_docs=args.long_docs, seed=args.seed, pad_token_id=tokenizer.pad_id, config=config,
+        resume=args.resume, checkpoint_every=args.checkpoint_every,
     )  # fmt: skip
-    out = dataset.save(args.out)
-    for line in pack_report(dataset.meta, args.input, note):
+    record = "fields" in options or _is_record_input(args.input)
+    skip = {"skip": writer.rows_done} if record and writer.rows_done else {}
+    reader = _open_reader(args, tokenizer, **options, **skip)
+    if writer.rows_done:
+        print(
+            f"resuming after {writer.rows_done:,} input rows ({writer.documents:,} documents)",
+            file=sys.stderr,
+        )
+        if not record:
+            reader = islice(reader, writer.rows_done, None)
+    path = Path(args.input)
+    size = path.stat().st_size if path.is_file() else None
+    progress = Progress(f"packing {args.input}", input_bytes=size)
+    position = (lambda: int(reader.rows_done)) if hasattr(reader, "rows_done") else None
+    try:
+        meta = writer.write(reader, position=position, on_progress=progress.update)
+    finally:
+        progress.close()
+    stats = getattr(reader, "stats", None)
+    note = (
+        f"{plural(stats.skipped, 'bad line')} skipped {dict(stats.skipped_by_problem)}"
+        if stats is not None and stats.skipped
+        else ""
+    )
+    for line in pack_report(meta, args.input, note):
         print(line)
-    print(f"{args.algorithm} in {time.perf_counter() - start:.1f} s -> {out}")
+    print(f"{args.algorithm} in {time.perf_counter() - start:.1f} s -> {args.out}")
     return 0
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
-    import numpy as np
+def _is_record_input(path: str) -> bool:
+    return str(path).lower().endswith(RECORD_SUFFIXES) or Path(path).is_dir()
 
+
+def cmd_stats(args: argparse.Namespace) -> int:
     from megapack.cp import cp_pad_multiple
     from megapack.packing import plan
 
-    docs, note = _read(args)
-    lengths = np.array([len(d) for d in docs], dtype=np.int64)
+    lengths, note = _read_lengths(args)
     multiple = cp_pad_multiple(args.cp_size, args.pad_to_multiple_of)
     if len(lengths) == 0:
         print(f"{args.input}: no documents", file=sys.stderr)
@@ -133,7 +253,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"\npacking at seq_len {args.seq_len:,}")
     print("| algorithm | rows | efficiency | seconds |\n| --- | --- | --- | --- |")
     results = {}
-    for algorithm in ("next_fit", "first_fit", "ffd", "bfd", "best"):
+    from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
+
+    for algorithm in ALGORITHMS:
         start = time.perf_counter()
         result = plan(planned, args.seq_len, algorithm=algorithm, time_limit_s=args.time_limit)
         results[algorithm] = result
@@ -155,7 +277,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         f"\n{plural(int(long.sum()), 'document')} longer than {plural(args.seq_len, 'token')} "
         f"({plural(int((lengths[long] - args.seq_len).sum()), 'token')} beyond)"
     )
-    for policy in ("split", "truncate", "drop"):
+    for policy in (p for p in LONG_DOC_POLICIES if p != "error"):
         r = plan(planned, args.seq_len, algorithm="bfd", long_docs=policy)
         print(
             f"  {policy:>8}: {plural(r.truncated_tokens + r.dropped_tokens, 'token')} lost, {plural(r.num_bins, 'row')}"
@@ -210,6 +332,7 @@ def _cost_model(args: argparse.Namespace) -> tuple[Any, str]:
 
 def _balance_report(args: argparse.Namespace, lengths: np.ndarray) -> dict[str, Any]:
     from megapack.packing.compare import compare_plans
+    from megapack.packing.names import BALANCE_MODES
 
     cost, label = _cost_model(args)
     dp = 1 if args.dp is None else args.dp
@@ -221,7 +344,7 @@ def _balance_report(args: argparse.Namespace, lengths: np.ndarray) -> dict[str, 
     print(f"\ndata-parallel balance: dp {dp}, {m} micro-batches of {args.rows_per_micro_batch} row(s)"
           f" per rank per step, {r['global_batches']:,} full global batches; cost {label}")  # fmt: skip
     print("| plan | imbalance (max / mean rank cost) | efficiency |\n| --- | --- | --- |")
-    for mode in ("token", "compute"):
+    for mode in BALANCE_MODES:
         print(
             f"| {mode} | {r[f'imbalance_{mode}_plan']:.4f} | {r[f'efficiency_{mode}_plan']:.2%} |"
         )
@@ -264,7 +387,7 @@ class _DefaultsHelp(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         real = not any(action.default is v for v in (None, False, argparse.SUPPRESS))  # 0 is real
-        if real and "%(default)" not in text:
+        if real and "%(default)" not in text and "(default" not in text:
             text += " (default: %(default)s)"
         return text
 
@@ -277,11 +400,18 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = _DefaultsHelp
 
     def data_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("input", help="a .jsonl/.json, .bin/.idx (or prefix), .npy/.npz file")
-        p.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
         p.add_argument(
-            "--tokenizer",
-            help="a Hugging Face tokenizer.json (default: the built-in byte-level tokenizer)",
+            "input",
+            help="a .jsonl/.json, .parquet/.arrow file or HF datasets directory, .bin/.idx "
+            "(or prefix), .npy/.npz file",
+        )
+        p.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
+        add_chat_arguments(p)
+        add_reader_arguments(p)
+        p.add_argument(
+            "--skip-bad",
+            action="store_true",
+            help="skip and count bad JSONL lines instead of stopping at the first",
         )
         p.add_argument(
             "--eos-token",
@@ -292,11 +422,6 @@ def build_parser() -> argparse.ArgumentParser:
             "--eos-id",
             type=int,
             help="for 1-D .npy/.npz token arrays: the token id that ends each document",
-        )
-        p.add_argument(
-            "--skip-bad",
-            action="store_true",
-            help="skip and count bad JSONL lines instead of stopping at the first",
         )
         p.add_argument(
             "--cp-size", type=int, default=1,
@@ -317,22 +442,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     data_args(pack)
     pack.add_argument("--out", required=True, help="output directory")
+    from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
+
     pack.add_argument(
         "--algorithm",
-        default="bfd",
-        choices=["bfd", "ffd", "first_fit", "next_fit", "best"],
+        default=ALGORITHMS[0],
+        choices=ALGORITHMS,
         help="bin-packing algorithm: best-fit / first-fit decreasing, first-fit, next-fit "
         "(streaming concat), or best (a search from bfd that never uses more rows)",
     )
     pack.add_argument(
         "--long-docs",
-        default="split",
-        choices=["split", "truncate", "drop", "error"],
+        default=LONG_DOC_POLICIES[0],
+        choices=LONG_DOC_POLICIES,
         help="documents longer than --seq-len: split them (chat at message boundaries), keep "
         "their first --seq-len tokens, drop them, or stop with an error",
     )
     pack.add_argument(
         "--seed", type=int, default=0, help="seeds the packer and the per-epoch row shuffle"
+    )
+    pack.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted pack in --out from its last completed shard",
+    )
+    pack.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=100_000,
+        metavar="DOCS",
+        help="documents per completed shard (checkpoint) of the output",
     )
     pack.set_defaults(func=cmd_pack)
 

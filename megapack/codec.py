@@ -102,16 +102,22 @@ def compact(
     flags, exceptions, pieces = 0, 0, {}
     tokens = tensors.get("tokens")
     labels = tensors.get("labels") if "labels" in present else None
+    narrow = None
+    if enabled and tokens is not None and ("tokens" in present or labels is not None):
+        narrow = lean.narrow(tokens.to(torch.int64))
     if enabled and labels is not None and tokens is not None:
         found = lean.shift_exceptions(labels.to(torch.int64), tokens.to(torch.int64))
         if found is not None:
-            flags |= Lean.LABELS_SHIFTED
-            pieces["label_at"], pieces["label_value"] = found
-            exceptions = int(found[0].numel())
+            n, token_bytes = labels.numel(), (4 if narrow is not None else 8) * labels.numel()
+            shift = _aligned(4 * found[0].numel()) + 8 * found[0].numel()
+            shift += 0 if "tokens" in present else _aligned(token_bytes)
+            if shift < 8 * n:  # the shift must pay for itself (and for the tokens, on LAST)
+                flags |= Lean.LABELS_SHIFTED
+                pieces["label_at"], pieces["label_value"] = found
+                exceptions = int(found[0].numel())
     if labels is not None and not flags & Lean.LABELS_SHIFTED:
         pieces["labels"] = labels
     if tokens is not None and ("tokens" in present or flags & Lean.LABELS_SHIFTED):
-        narrow = lean.narrow(tokens.to(torch.int64)) if enabled else None
         flags |= Lean.TOKENS_INT32 if narrow is not None else 0
         pieces["tokens"] = narrow if narrow is not None else tokens
     positions = tensors.get("position_ids") if "position_ids" in present else None
@@ -212,3 +218,8 @@ def _row_share(full: int, share: Share, device: torch.device) -> torch.Tensor:
             torch.arange(second, second + chunk, device=device),
         ]
     )
+
+
+def _aligned(nbytes: int) -> int:
+    """Bytes a piece takes on the wire: 8-byte aligned."""
+    return nbytes + (-nbytes % 8)

@@ -41,7 +41,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "CONTRIBUTING.md")
-PROGRAMS = ("bash", "python", "megapack", "torchrun", "ruff", "mypy")
+PROGRAMS = ("bash", "python", "megapack", "torchrun", "ruff", "mypy", "pip")
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def commands(doc: str) -> list[Block]:
             if cmd:
                 out.append(Block(doc, block.line + k, "command", cmd))
     inline = re.compile(
-        r"`((?:MEGAPACK_\w+=\S+ )?(?:bash scripts/|python -m |torchrun |ruff |mypy(?=`)|"
+        r"`((?:MEGAPACK_\w+=\S+ )?(?:bash scripts/|python -m |torchrun |ruff |mypy(?=`)|pip install |"
         r"megapack (?:pack|stats) \S+\.jsonl|megapack bench)[^`]*)`"
     )
     for n, line in enumerate((ROOT / doc).read_text().splitlines(), 1):
@@ -325,8 +325,11 @@ def run_megapack(cmd: str, world_dir: Path, capsys: pytest.CaptureFixture[str]) 
     from megapack.cli import main
 
     for variant in variants(cmd):
+        words = shlex.split(variant)
+        if "--out" in words:  # each run writes a fresh output directory
+            shutil.rmtree(world_dir / words[words.index("--out") + 1], ignore_errors=True)
         with inside(world_dir):
-            code = main(shlex.split(variant)[1:])
+            code = main(words[1:])
         err = capsys.readouterr().err
         assert code == 0, f"`{variant}` exited {code}: {err[-1500:]}"
 
@@ -359,10 +362,11 @@ def check_torchrun(cmd: str, world_dir: Path, capsys: pytest.CaptureFixture[str]
         try:
             if hasattr(module, "parse_args"):
                 parsed = module.parse_args()
-                assert (parsed.tp, parsed.pp) == (
-                    int(words[words.index("--tp") + 1]),
-                    int(words[words.index("--pp") + 1]),
-                )
+                for flag in ("--tp", "--pp", "--cp"):
+                    if flag in words:
+                        assert getattr(parsed, flag[2:]) == int(words[words.index(flag) + 1]), (
+                            variant
+                        )
             else:  # demo_tp_pp: parses, then says it needs torchrun (exit 2) when not launched by it
                 env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE") if k in os.environ}
                 try:
@@ -415,12 +419,31 @@ def run_module_help(cmd: str, world_dir: Path, capsys: pytest.CaptureFixture[str
     assert done.returncode == 0 and "usage: megapack" in done.stdout, done.stderr[-1500:]
 
 
+def check_parse(cmd: str, world_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for variant in variants(cmd):
+        parse_megapack(shlex.split(variant)[1:])
+
+
+def check_module(cmd: str, world_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    name = shlex.split(cmd)[2]
+    assert importlib.util.find_spec(name), f"`{cmd}`: no module {name}"
+
+
+def check_pip_extra(cmd: str, world_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    extra = re.search(r"\[(\w+)\]", cmd)
+    assert extra, f"`{cmd}`: expected pip install 'megapack[EXTRA]' or -e '.[EXTRA]'"
+    assert f'"{extra.group(1)}":' in (ROOT / "setup.py").read_text(), f"`{cmd}`: no such extra"
+
+
 def check_tool(cmd: str, world_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tool = cmd.split()[0]
     assert shutil.which(tool) or importlib.util.find_spec(tool), f"`{cmd}`: {tool} not installed"
 
 
 COMMANDS: list[tuple[str, Callable[[str, Path, pytest.CaptureFixture[str]], None], str]] = [
+    (r"^megapack pack \S+\.parquet .*--tokenizer my-model/", check_parse, "parsed only: needs your model's tokenizer folder (test_data_parquet.py and the chat-template tests run this path)"),
+    (r"^python -m megapack\.bench\.\w+", check_module, "checked only: that bench takes minutes (megapack bench runs it)"),
+    (r"^pip install ", check_pip_extra, "checked only: the extra must exist in setup.py (installing is the set-up's job)"),
     (r"^megapack (pack|stats) ", run_megapack, "run on the small JSONL files written here"),
     (r"^megapack bench\b", check_bench, "parsed only: the full bench takes minutes (test_bench.py runs --quick)"),
     (r"^torchrun ", check_torchrun, "parsed only: test_examples.py runs the examples under torchrun"),

@@ -20,10 +20,10 @@ def test_library_logs_and_never_prints(
         PackedDataset(docs, 32)
     assert capsys.readouterr() == ("", "")  # nothing on stdout or stderr
     by_logger = {(r.name, r.levelno): r.getMessage() for r in caplog.records}
-    skipped = by_logger[("megapack.data.jsonl", logging.DEBUG)]
+    skipped = by_logger[("megapack.data.record_reader", logging.DEBUG)]
     assert skipped.startswith(f"skipped {src}:2:") and "completion" in skipped
-    assert by_logger[("megapack.data.dataset", logging.INFO)].startswith(
-        "packed 2 documents (1 split, 0 truncated, 0 dropped) into"
+    assert by_logger[("megapack.data.layout", logging.INFO)].startswith(
+        "planned 4 documents into 3 rows of 32 tokens"
     )
 
 

@@ -67,10 +67,11 @@ def test_payload_is_only_what_the_stage_needs() -> None:
     assert sizes[Stage.MIDDLE] == cu
     # lean: int32 tokens (36 -> 40 aligned), positions rebuilt from cu_seqlens
     assert sizes[Stage.FIRST] == 40 + cu
-    # LAST gets the tokens as the label base, the 3 document ends as exceptions (int32 positions,
-    # int64 values) and the loss mask as 2 bytes of bits (aligned to 8)
-    assert sizes[Stage.LAST] == 40 + 16 + 24 + 8 + cu
+    # ONLY: the labels as the shifted tokens plus the 3 document ends (int32 positions, int64
+    # values), the loss mask as 2 bytes of bits (aligned to 8)
     assert sizes[Stage.ONLY] == 40 + 16 + 24 + 8 + cu
+    # LAST would need the tokens as the label base: 40 + 16 + 24 > 72 bytes of labels, so not here
+    assert sizes[Stage.LAST] == 72 + 8 + cu
     full = {
         stage: encode_fields(*normalize(batch), stage, CPU, lean=False)[0].nbytes for stage in Stage
     }
