@@ -71,7 +71,7 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
         if r["mode"] != "packed":  # quick sizes where packing never needs more slots than padding
             assert r["theoretical_speedup"] >= 1.0, r
     assert "--quick: every size is small" in done.stdout and "Note:" not in done.stdout
-    for header in ("| tp | seq_len | megapack | per-tensor | bare |", "| dataset | mode | real tokens/s |",
+    for header in ("| tp | seq_len | megapack |", "| dataset | mode | real tokens/s |",
                    "| dataset | algorithm | rows | efficiency | seconds | target |"):  # fmt: skip
         assert header in done.stdout  # the README's tables
     assert done.stdout.count("met") >= 4  # a verdict for every target
