@@ -26,7 +26,7 @@ import torch
 from megapack.cp import CpLayout, check_cp_spans, cp_indices
 from megapack.inputs import Layout
 from megapack.topology import Stage
-from megapack.wire import FIELDS
+from megapack.wire import FIELDS, travels
 
 
 def take_cp_share(
@@ -43,14 +43,14 @@ def take_cp_share(
     """Every per-token field of ``tensors`` cut to CP rank ``cp_rank``'s share; the rest unchanged.
 
     Args:
-        layout: PACKED (THD [1, T] with boundaries) or PLAIN ([b, s]), from `megapack.wire.normalize`.
+        layout: PACKED (THD [1, T] with boundaries) or PLAIN ([b, s]), from `megapack.inputs.normalize`.
         tensors: the normalized fields by name.
         cp_size, cp_rank: the CP group's size and this rank's index in it.
         cp_layout: "document" or "row" for packed batches; plain batches always split by row.
         tp_size, sequence_parallel: with sequence parallelism each CP rank's tokens are split
             over the TP ranks as well, so their count must also divide by ``tp_size``.
-        stage: when given, per-token fields this pipeline stage does not receive are dropped
-            (None) instead of sliced.
+        stage: when given, per-token fields that do not travel to this pipeline stage
+            (`megapack.wire.travels`) are dropped (None) instead of sliced.
 
     Returns:
         A new dict; with ``cp_size == 1`` the same tensors.
@@ -99,7 +99,7 @@ def take_cp_share(
         t = out.get(field.name)
         if field.cp_dim is None or t is None:
             continue
-        if stage is not None and stage not in field.stages:
+        if stage is not None and not travels(field, stage):
             out[field.name] = None
         else:
             out[field.name] = t.index_select(field.cp_dim, index.to(t.device))

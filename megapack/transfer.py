@@ -3,7 +3,7 @@
 Megatron's ``get_batch_on_this_tp_rank`` broadcasts each tensor separately (5-12 collectives a
 micro-batch, plus a size broadcast and a host sync for ``cu_seqlens``). Here a call is one frame,
 
-    [ 128-byte header | payload (the stage's fields, `megapack.wire`) | slack ]
+    [ 192-byte header | payload (the stage's fields, `megapack.wire`) | slack ]
 
 broadcast from the TP source. Receivers must allocate the frame before they know the batch, so
 every TP group keeps a payload *capacity* that all its ranks derive from the same headers without
@@ -11,6 +11,9 @@ talking: a payload that fits travels inside the frame (1 collective); one that d
 a second broadcast (2 collectives) and the capacity grows to it plus 1/8 slack (and shrinks again
 when payloads fall under a quarter of it). With a fixed sequence length only the first call, and
 a call with unusually many documents, take two. A clean stop is one collective; tp=1 none.
+
+With context parallelism the source first cuts the normalized batch to its CP rank's share
+(`megapack.cp_share`), so the payload holds 1/cp of the token bytes; the encoding never sees more.
 
 A failure on the source while fetching or validating is sent in place of a batch: the source
 re-raises its own error and every peer raises `RemoteDataError` within one collective's latency.
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megapack import comm
+from megapack.codec import Share
 from megapack.cp import CP_LAYOUTS, CpLayout
 from megapack.cp_share import take_cp_share
 from megapack.errors import ProtocolError, RemoteDataError
@@ -191,7 +195,9 @@ def _send(
         raise StopIteration
     if error is not None:
         raise error
-    return decode(header, payload, cp_group=topo.cp_group)
+    return decode(
+        header, payload, cp_group=topo.cp_group, cp_size=topo.cp_size, cp_rank=topo.cp_rank
+    )
 
 
 def _encode_item(
@@ -216,7 +222,8 @@ def _encode_item(
         layout, tensors, cp_size=topo.cp_size, cp_rank=topo.cp_rank, cp_layout=options.cp_layout,
         tp_size=topo.tp_size, sequence_parallel=options.sequence_parallel, stage=topo.stage,
     )  # fmt: skip
-    return encode_fields(layout, tensors, scalars, topo.stage, topo.device)
+    share = Share(topo.cp_size, topo.cp_rank, options.cp_layout)
+    return encode_fields(layout, tensors, scalars, topo.stage, topo.device, share=share)
 
 
 def _without_iterator(topo: Topology, options: _SourceOptions) -> Header:
@@ -252,7 +259,9 @@ def _receive(topo: Topology, state: _GroupState, timeout: float | None) -> dict[
             f"TP source rank {topo.src_rank} serves pipeline stage {header.stage.value!r} but this rank "
             f"is on stage {topo.stage.value!r}: TP peers must share a pipeline stage (check the Topology)"
         )
-    return decode(header, payload, cp_group=topo.cp_group)
+    return decode(
+        header, payload, cp_group=topo.cp_group, cp_size=topo.cp_size, cp_rank=topo.cp_rank
+    )
 
 
 def _send_frame(

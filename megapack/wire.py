@@ -6,13 +6,19 @@ the receivers (`decode`) both derive everything from it, so adding a field is on
 is how middle stages ended up with no ``cu_seqlens`` at all (Megatron-LM #4092, Megatron-Bridge #2952).
 
 A message is a fixed 24 x int64 `Header` (status, stage, layout, shapes, ``max_seqlen``,
-``local_cp_size``, a bitmask of the fields present, payload bytes) and a flat uint8 payload with the stage's fields, each
-8-byte aligned. `decode` slices the payload into views, so every TP rank, the source included,
-returns identical values, shapes, dtypes and None-ness. Metadata is O(documents), never O(seq_len).
+``local_cp_size``, a bitmask of the fields present, payload bytes, the lean-form flags) and a flat
+uint8 payload of `pieces`, each 8-byte aligned: the stage's per-token fields in their lean forms
+(`megapack.codec`: int32 tokens, labels as a shift plus exceptions, loss mask as bits, positions
+rebuilt from the boundaries) and the other fields as they are. `decode` gives every TP rank, the
+source included, identical values, shapes, dtypes and None-ness. Metadata is O(documents).
+
+What a data iterator may yield is validated into named fields by `megapack.inputs.normalize`; with
+context parallelism `megapack.cp_share` cuts them to a CP rank's share before `encode_fields`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Mapping
@@ -23,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from megapack.batch import CU_DTYPE, MASK_DTYPE, TOKEN_DTYPE, make_packed_seq_params
+from megapack.codec import Share, compact, expand, grid_pieces
+from megapack.cp import CP_LAYOUTS
 from megapack.errors import ProtocolError
 from megapack.inputs import Layout, Scalars, normalize
 from megapack.topology import Stage
@@ -56,15 +64,22 @@ FIELDS: tuple[Field, ...] = (
     Field("attention_mask", torch.bool, ALL_STAGES, "mask", cp_dim=2),  # [b, 1, s_q, s_kv]: queries
     Field("cu_seqlens", CU_DTYPE, ALL_STAGES, "cu"),
     Field("cu_seqlens_padded", CU_DTYPE, ALL_STAGES, "cu_padded"),
-    Field(
-        "dataset_id", TOKEN_DTYPE, ALL_STAGES, "samples"
-    ),  # BlendedDataset's source of each sample
+    # BlendedDataset's source of each sample, [b]:
+    Field("dataset_id", TOKEN_DTYPE, ALL_STAGES, "samples"),
 )
+
+
+def travels(field: Field, stage: Stage) -> bool:
+    """Whether ``field`` goes on the wire for ``stage``: where it is returned, and the tokens
+    also where the labels are (the base the labels are rebuilt from, `megapack.codec`)."""
+    return stage in field.stages or (field.name == "tokens" and stage in LAST)
+
+
 SCALAR_KEYS = ("max_seqlen", "local_cp_size")
 """Python ints every stage gets from the header (None when the batch has none)."""
 OUTPUT_KEYS = (*(f.name for f in FIELDS), *SCALAR_KEYS, "packed_seq_params")
 
-MAGIC = 0x4D50_0003  # "MP" + protocol version 3 (24-slot header: samples, local_cp_size)
+MAGIC = 0x4D50_0004  # "MP" + protocol version 4 (lean grid fields: `megapack.codec`)
 HEADER_LEN = 24
 HEADER_BYTES = HEADER_LEN * 8
 STAGE_CODES = {stage: i for i, stage in enumerate(Stage)}
@@ -78,7 +93,7 @@ class Status(enum.IntEnum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Header:
-    """The fixed-size message that precedes every payload. Slots 17-23 are reserved (zero)."""
+    """The fixed-size message that precedes every payload. Slots 20-23 are reserved (zero)."""
 
     status: Status
     stage: Stage
@@ -93,11 +108,18 @@ class Header:
     mask_shape: tuple[int, int, int, int] = (0, 0, 0, 0)
     samples: int = 0
     local_cp_size: int = -1
+    codec: int = 0
+    """`megapack.codec.Lean` flags: which lean forms the grid fields travel in."""
+    exceptions: int = 0
+    """Positions where the labels are not the shifted tokens (with ``Lean.LABELS_SHIFTED``)."""
+    cp_layout: int = 0
+    """Index in `megapack.cp.CP_LAYOUTS` of the source's CP layout (receivers rebuild positions)."""
 
     def to_tensor(self, device: torch.device) -> torch.Tensor:
         values = [MAGIC, self.status, STAGE_CODES[self.stage], self.layout, self.rows, self.cols]
         values += [self.n_cu, self.n_cu_padded, self.max_seqlen, self.field_mask, self.nbytes]
         values += [*self.mask_shape, self.samples, self.local_cp_size]
+        values += [self.codec, self.exceptions, self.cp_layout]
         values += [0] * (HEADER_LEN - len(values))
         return torch.tensor(values, dtype=torch.int64).to(device)
 
@@ -114,6 +136,7 @@ class Header:
             status=Status(v[1]), stage=stage, layout=Layout(v[3]), rows=v[4], cols=v[5], n_cu=v[6],
             n_cu_padded=v[7], max_seqlen=v[8], field_mask=v[9], nbytes=v[10],
             mask_shape=(v[11], v[12], v[13], v[14]), samples=v[15], local_cp_size=v[16],
+            codec=v[17], exceptions=v[18], cp_layout=v[19],
         )  # fmt: skip
 
     def shape_of(self, field: Field) -> tuple[int, ...]:
@@ -145,22 +168,24 @@ def encode_fields(
     scalars: Scalars,
     stage: Stage,
     device: torch.device,
+    *,
+    share: Share | None = None,
+    lean: bool = True,
 ) -> tuple[Header, list[torch.Tensor]]:
-    """Lay out already normalized fields (`normalize`, then maybe `megapack.cp_share`) for ``stage``."""
+    """Lay out already normalized fields (`normalize`, then maybe `megapack.cp_share`) for ``stage``.
+
+    Grid fields travel in their lean forms (`megapack.codec`; ``lean=False``: in full, as protocol
+    v3 did, for comparisons). The pieces are built on the host; for a CUDA ``device`` they are
+    joined into one pinned buffer and copied with one asynchronous host-to-device copy.
+    """
+    share = share if share is not None else Share()
     grid = [t for f in FIELDS if f.shape == "grid" and (t := tensors.get(f.name)) is not None]
     rows, cols = grid[0].shape if grid else (0, 0)  # every grid field has this (rows, cols)
     mask = tensors.get("attention_mask")
-    chosen = [
-        (f, t) for f in FIELDS if stage in f.stages and (t := tensors.get(f.name)) is not None
-    ]
-    chunks, nbytes = [], 0
-    for f, t in chosen:
-        raw = t.to(device=device, dtype=f.dtype).contiguous().reshape(-1).view(torch.uint8)
-        chunks.append(raw)
-        nbytes += raw.numel()
-        if pad := -nbytes % 8:
-            chunks.append(torch.zeros(pad, dtype=torch.uint8, device=device))
-            nbytes += pad
+    present = frozenset(
+        f.name for f in FIELDS if stage in f.stages and tensors.get(f.name) is not None
+    )
+    flags, exceptions, values = compact(layout, tensors, present, share, enabled=lean)
     header = Header(
         status=Status.OK,
         stage=stage,
@@ -170,13 +195,46 @@ def encode_fields(
         n_cu=_numel(tensors.get("cu_seqlens")),
         n_cu_padded=_numel(tensors.get("cu_seqlens_padded")),
         max_seqlen=-1 if scalars.max_seqlen is None else scalars.max_seqlen,
-        field_mask=sum(1 << FIELDS.index(f) for f, _ in chosen),
-        nbytes=nbytes,
+        field_mask=sum(1 << i for i, f in enumerate(FIELDS) if f.name in present),
+        nbytes=0,
         mask_shape=(0, 0, 0, 0) if mask is None else tuple(mask.shape),  # type: ignore[arg-type]
         samples=_numel(tensors.get("dataset_id")),
         local_cp_size=-1 if scalars.local_cp_size is None else scalars.local_cp_size,
+        codec=flags,
+        exceptions=exceptions,
+        cp_layout=share.layout_code,
     )
-    return header, chunks
+    chunks, nbytes = [], 0
+    for name, dtype, _ in pieces(header):
+        t = values[name] if name in values else tensors[name]
+        assert t is not None  # pieces() lists present fields only
+        raw = t.to(dtype=dtype).contiguous().reshape(-1).view(torch.uint8)
+        chunks.append(raw)
+        nbytes += raw.numel()
+        if pad := -nbytes % 8:
+            chunks.append(torch.zeros(pad, dtype=torch.uint8, device=raw.device))
+            nbytes += pad
+    return dataclasses.replace(header, nbytes=nbytes), _to_device(chunks, device)
+
+
+def pieces(header: Header) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """Every piece of ``header``'s payload in order: (name, dtype, shape); each 8-byte aligned."""
+    present = frozenset(f.name for i, f in enumerate(FIELDS) if header.field_mask >> i & 1)
+    out = grid_pieces(present, header.codec, header.exceptions, header.rows, header.cols)
+    out += [
+        (f.name, f.dtype, header.shape_of(f))
+        for f in FIELDS
+        if f.shape != "grid" and f.name in present
+    ]
+    return out
+
+
+def _to_device(chunks: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host pieces to ``device``: one pinned buffer and one non-blocking copy for CUDA."""
+    if device.type == "cpu" or not chunks or all(c.device == device for c in chunks):
+        return [c.to(device) for c in chunks]
+    host = torch.cat([c.cpu() for c in chunks])
+    return [host.pin_memory().to(device, non_blocking=True)]
 
 
 def join(chunks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -185,21 +243,32 @@ def join(chunks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 
 def decode(
-    header: Header, payload: torch.Tensor, *, cp_group: dist.ProcessGroup | None = None
+    header: Header,
+    payload: torch.Tensor,
+    *,
+    cp_group: dist.ProcessGroup | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
 ) -> dict[str, Any]:
-    """Slice the payload into the output dict; identical on the source and its peers.
+    """The output dict from the payload; identical on the source and its peers.
 
-    ``cp_group`` (the context-parallel group, None without CP) goes into ``packed_seq_params``.
+    ``cp_group`` (the context-parallel group, None without CP) goes into ``packed_seq_params``;
+    ``cp_size`` and ``cp_rank`` say which share of the row this rank's grid fields hold.
     """
     out: dict[str, Any] = dict.fromkeys(OUTPUT_KEYS)
+    views: dict[str, torch.Tensor] = {}
     offset = 0
-    for i, f in enumerate(FIELDS):
-        if not header.field_mask >> i & 1:
-            continue
-        shape = header.shape_of(f)
-        size = math.prod(shape) * f.dtype.itemsize
-        out[f.name] = payload[offset : offset + size].view(f.dtype).view(shape)
+    for name, dtype, shape in pieces(header):
+        size = math.prod(shape) * dtype.itemsize
+        views[name] = payload[offset : offset + size].view(dtype).view(shape)
         offset += size + (-size % 8)
+    present = frozenset(f.name for i, f in enumerate(FIELDS) if header.field_mask >> i & 1)
+    for f in FIELDS:
+        if f.shape != "grid" and f.name in present:
+            out[f.name] = views[f.name]
+    share = Share(cp_size, cp_rank, CP_LAYOUTS[header.cp_layout])
+    out |= expand(views, present, header.codec, header.layout, out, header.rows, header.cols,
+                  share, payload.device)  # fmt: skip
     if header.layout == Layout.PACKED:
         out["max_seqlen"] = header.max_seqlen
         out["local_cp_size"] = None if header.local_cp_size < 0 else header.local_cp_size

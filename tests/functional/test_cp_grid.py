@@ -271,6 +271,11 @@ def run_bytes(tp: int, cp: int, n_rows: int) -> int:
 def test_cp_halves_the_bytes_each_tp_peer_receives(dist_pool: Any) -> None:
     without = dist_pool.run(run_bytes, 2, 2, 1, 6, timeout=60)
     with_cp = dist_pool.run(run_bytes, 4, 2, 2, 6, timeout=60)
-    assert len(set(without)) == 1 and len(set(with_cp)) == 1, (without, with_cp)
-    ratio = with_cp[0] / without[0]
+    # TP peers move the same bytes; the two CP ranks' shares differ slightly in lean label
+    # exceptions (their zigzag chunks end at different positions, megapack.codec)
+    assert len(set(without)) == 1 and with_cp[0] == with_cp[1] and with_cp[2] == with_cp[3], (
+        without,
+        with_cp,
+    )
+    ratio = sum(with_cp) / 4 / without[0]
     assert 0.45 < ratio < 0.6, f"cp=2 moves {with_cp[0]} bytes per TP rank, cp=1 {without[0]}"

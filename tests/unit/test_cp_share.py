@@ -80,8 +80,12 @@ def test_plain_batch_splits_rows_and_the_mask_query_dim() -> None:
 def test_stage_drops_fields_it_does_not_receive() -> None:
     kind, tensors, scalars = normalize(two_documents())
     share = take_cp_share(kind, tensors, cp_size=2, cp_rank=0, stage=Stage.LAST)
-    assert share["tokens"] is None and share["position_ids"] is None
+    assert share["position_ids"] is None
+    # tokens travel to the last stage as the base its labels are rebuilt from (megapack.codec)
+    assert share["tokens"] is not None and share["tokens"].shape == (1, 8)
     assert share["labels"] is not None and share["labels"].shape == (1, 8)
+    first = take_cp_share(kind, tensors, cp_size=2, cp_rank=0, stage=Stage.FIRST)
+    assert first["labels"] is None and first["loss_mask"] is None
     header, _ = encode_fields(kind, share, scalars, Stage.LAST, CPU)
     assert (header.rows, header.cols) == (1, 8)
 

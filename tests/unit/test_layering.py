@@ -16,12 +16,6 @@ from pathlib import Path
 import megapack
 
 PACKAGE = Path(megapack.__file__).parent
-# Moving TinyGPT out of megapack.testing.gpt is issue 10's model-side work (megapack/models.py);
-# tolerated here until it lands, never required.
-PENDING = {
-    "megapack/bench/throughput.py": {"megapack.testing.gpt"},
-    "megapack/bench/balance.py": {"megapack.testing.gpt"},
-}
 
 
 def imported_modules(source: str, package: str) -> set[str]:
@@ -78,9 +72,7 @@ def test_production_modules_do_not_import_megapack_testing() -> None:
     for path in files:
         rel = path.relative_to(PACKAGE.parent)
         package = ".".join(rel.with_suffix("").parts[:-1])
-        pending = PENDING.get(rel.as_posix(), set())
-        found = _testing(imported_modules(path.read_text(), package))
-        bad = {n for n in found if not any(n == m or n.startswith(m + ".") for m in pending)}
+        bad = _testing(imported_modules(path.read_text(), package))
         if bad:
             offenders[rel.as_posix()] = sorted(bad)
     assert offenders == {}

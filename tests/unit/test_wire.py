@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from megapack import FIELDS, PackedBatch, Stage
-from megapack.wire import OUTPUT_KEYS, Header, Layout, Status, decode, encode
+from megapack.wire import (
+    OUTPUT_KEYS,
+    Header,
+    Layout,
+    Status,
+    decode,
+    encode,
+    encode_fields,
+    normalize,
+)
 
 CPU = torch.device("cpu")
 EXPECTED_FIELDS = {
@@ -56,8 +65,18 @@ def test_payload_is_only_what_the_stage_needs() -> None:
     sizes = {stage: encode(batch, stage, CPU)[0].nbytes for stage in Stage}
     cu = 16  # 4 x int32, already 8-byte aligned
     assert sizes[Stage.MIDDLE] == cu
-    assert sizes[Stage.FIRST] == 2 * 9 * 8 + cu
-    assert sizes[Stage.LAST] == 9 * 8 + 9 * 4 + 4 + cu  # float32 loss_mask padded to 8 bytes
+    # lean: int32 tokens (36 -> 40 aligned), positions rebuilt from cu_seqlens
+    assert sizes[Stage.FIRST] == 40 + cu
+    # ONLY: the labels as the shifted tokens plus the 3 document ends (int32 positions, int64
+    # values), the loss mask as 2 bytes of bits (aligned to 8)
+    assert sizes[Stage.ONLY] == 40 + 16 + 24 + 8 + cu
+    # LAST would need the tokens as the label base: 40 + 16 + 24 > 72 bytes of labels, so not here
+    assert sizes[Stage.LAST] == 72 + 8 + cu
+    full = {
+        stage: encode_fields(*normalize(batch), stage, CPU, lean=False)[0].nbytes for stage in Stage
+    }
+    assert full[Stage.FIRST] == 2 * 9 * 8 + cu  # protocol v3: every grid field in full
+    assert full[Stage.LAST] == 9 * 8 + 9 * 4 + 4 + cu  # float32 loss_mask padded to 8 bytes
 
 
 def test_padded_cu_seqlens_travel() -> None:
