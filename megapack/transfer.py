@@ -3,7 +3,7 @@
 Megatron's ``get_batch_on_this_tp_rank`` broadcasts each tensor separately (5-12 collectives a
 micro-batch, plus a size broadcast and a host sync for ``cu_seqlens``). Here a call is one frame,
 
-    [ 128-byte header | payload (the stage's fields, `megapack.wire`) | slack ]
+    [ fixed-size header | payload (the stage's fields, `megapack.wire`) | slack ]
 
 broadcast from the TP source. Receivers must allocate the frame before they know the batch, so
 every TP group keeps a payload *capacity* that all its ranks derive from the same headers without
