@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 examples/pretrain_gpt_packed.py --tp 2 --pp 2            # packed (THD)
     torchrun --nproc-per-node 4 examples/pretrain_gpt_packed.py --tp 2 --pp 2 --padded   # one document per row
+    torchrun --nproc-per-node 4 examples/pretrain_gpt_packed.py --tp 2 --cp 2            # context parallel
 
 gloo on CPU (megatron-core's CUDA calls redirected by megapack.testing.megatron_on_cpu), NCCL on CUDA.
 The structure follows Megatron-LM's pretrain_gpt.py: ``model_provider``, ``get_batch`` (here
@@ -9,6 +10,11 @@ megapack.get_batch_on_this_tp_rank), ``loss_func``, ``forward_step``, and megatr
 Every step trains on the same generated documents (lognormal lengths, like SFT data); packed
 mode packs them into rows of ``--seq-len`` tokens with megapack.packing.plan (best-fit decreasing),
 padded mode puts one per row. It prints the loss and real (non-padding) tokens per second.
+
+With ``--cp N`` every CP rank holds 1/N of each row (``--cp-layout document`` pads every document
+to a multiple of 2*N; ``row`` needs only the row length to divide by 2*N). The loss of a CP rank is
+its share of the micro-batch mean (megapack.models.masked_mean_loss); without megatron-core's DDP
+here, gradients are averaged over the CP group by hand, as DDP does over dp x cp.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch.distributed as dist
 
 import megapack
 from megapack.megatron import packed_gpt_layer_spec
+from megapack.models import masked_mean_loss
 from megapack.packing import plan
 from megapack.testing.gpt import packed_micro_batch, padded_micro_batch
 
@@ -39,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--cp-layout", default="document", choices=["document", "row"])
     p.add_argument(
         "--padded", action="store_true", help="one document per row, padded to --seq-len"
     )
@@ -68,6 +77,7 @@ def model_provider(args: argparse.Namespace, pre_process: bool, post_process: bo
         num_attention_heads=args.heads,
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
+        context_parallel_size=args.cp,
         pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
         hidden_dropout=0.0,
@@ -75,7 +85,7 @@ def model_provider(args: argparse.Namespace, pre_process: bool, post_process: bo
     )
     return GPTModel(
         config=config,
-        transformer_layer_spec=packed_gpt_layer_spec(args.attention),
+        transformer_layer_spec=packed_gpt_layer_spec(args.attention, cp_layout=args.cp_layout),
         vocab_size=args.vocab,
         max_sequence_length=args.seq_len,
         pre_process=pre_process,
@@ -100,24 +110,18 @@ def micro_batches(args: argparse.Namespace, docs: list[list[int]]) -> list[dict[
             padded_micro_batch(docs[i : i + args.mbs], args.seq_len)
             for i in range(0, len(docs), args.mbs)
         ]
-    packing = plan([len(d) for d in docs], args.seq_len, algorithm="bfd")  # best-fit decreasing
-    rows = [[docs[i][a:b] for i, a, b in row] for row in packing.bins]
+    pad = 2 * args.cp if args.cp > 1 and args.cp_layout == "document" else 1
+    padded = [-(-len(d) // pad) * pad for d in docs]  # plan rows on the CP-padded lengths
+    packing = plan(padded, args.seq_len, algorithm="bfd")  # best-fit decreasing
+    rows = [[docs[i][a : min(b, len(docs[i]))] for i, a, b in row] for row in packing.bins]
     filler: list[list[int]] = [
         [0]
     ]  # a 1-token row that trains nothing, to fill the last micro-batch
     rows += [filler] * (-len(rows) % args.mbs)
     return [
-        packed_micro_batch(rows[i : i + args.mbs], args.seq_len)
+        packed_micro_batch(rows[i : i + args.mbs], args.seq_len, pad_to_multiple_of=pad)
         for i in range(0, len(rows), args.mbs)
     ]
-
-
-def loss_func(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    mask = loss_mask.float()
-    loss = (output_tensor.float() * mask).sum() / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(
@@ -128,7 +132,8 @@ def forward_step(
         batch["tokens"], batch["position_ids"], batch["attention_mask"],
         labels=batch["labels"], packed_seq_params=batch["packed_seq_params"],
     )  # fmt: skip
-    return output, functools.partial(loss_func, batch["loss_mask"])
+    cp_group = topology.cp_group if topology.cp_size > 1 else None
+    return output, functools.partial(masked_mean_loss, batch["loss_mask"], cp_group=cp_group)
 
 
 def main() -> None:
@@ -146,14 +151,16 @@ def main() -> None:
 
         megatron_on_cpu()
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        context_parallel_size=args.cp,
     )
     model_parallel_cuda_manual_seed(args.seed)
     model = model_provider(args, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
     if cuda:
         model.cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    topology = megapack.Topology.from_parallel_state()
+    topology = megapack.Topology.from_parallel_state(cp_layout=args.cp_layout)
     docs = documents(args)
     micro = micro_batches(args, docs)
     real_tokens = int(sum(m["loss_mask"].sum().item() for m in micro))
@@ -163,7 +170,7 @@ def main() -> None:
     rank0 = dist.get_rank() == 0
     if rank0:
         mode = "padded" if args.padded else "packed"
-        print(f"{mode}: tp={args.tp} pp={args.pp} {len(docs)} docs, "
+        print(f"{mode}: tp={args.tp} pp={args.pp} cp={args.cp} {len(docs)} docs, "
               f"{len(micro)} micro-batches, {slots} token slots, {real_tokens} trained tokens "
               f"({real_tokens / slots:.1%} of slots), {sum(map(len, docs))} document tokens")  # fmt: skip
     for step in range(args.steps):
@@ -179,6 +186,11 @@ def main() -> None:
             micro_batch_size=mbs,
             forward_only=False,
         )
+        if topology.cp_size > 1:  # what megatron-core's DDP does over the dp x cp group
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=topology.cp_group)
+                    p.grad /= topology.cp_size
         optimizer.step()
         loss = torch.tensor(
             [np.mean([r["lm loss"].item() for r in reduced]) if reduced else 0.0],

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapack.attention_cp import CpPlan, apply_rope, cp_attention, sbhd_cp_attention
+from megapack.attention_cp import apply_rope, cp_attention, plan_for, sbhd_cp_attention
 from megapack.attention_kernels import KERNELS, Documents, sbhd_attention, zero_padding
 from megapack.cp import CP_LAYOUTS, CpLayout
 
@@ -198,7 +198,9 @@ class PackedAttention(torch.nn.Module):
         name = resolve_backend(self.backend, query.device, training=needs_grad, dropout=dropout)
         docs = Documents.from_params(packed_seq_params, total=query.shape[0])
         if group is not None:
-            return self._cp_forward(query, key, value, docs, group, name, rope, dropout)
+            return self._cp_forward(
+                query, key, value, packed_seq_params, docs, group, name, rope, dropout
+            )
         if name == "te":
             out = self._te_attention(query, key, value, docs, dropout)
         else:
@@ -216,8 +218,8 @@ class PackedAttention(torch.nn.Module):
         return group if group is not None and dist.get_world_size(group) > 1 else None
 
     def _cp_forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, group: Any,
-        name: str, rope: Any, dropout: float,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Any, docs: Documents,
+        group: Any, name: str, rope: Any, dropout: float,
     ) -> torch.Tensor:  # fmt: skip
         """THD attention of this CP rank's share (see `megapack.attention_cp`)."""
         if name == "te" and self.cp_layout != "document":
@@ -225,8 +227,8 @@ class PackedAttention(torch.nn.Module):
                 f"Transformer Engine's THD context parallelism needs cp_layout='document', got "
                 f"{self.cp_layout!r}; use another backend for the row layout"
             )
-        plan = CpPlan.build(
-            docs.cu_buffer, docs.cu_real, cp_size=dist.get_world_size(group),
+        plan = plan_for(
+            params, docs.cu_buffer, docs.cu_real, cp_size=dist.get_world_size(group),
             cp_rank=dist.get_rank(group), layout=self.cp_layout, local_total=q.shape[0],
         )  # fmt: skip
         if rope is not None:
@@ -236,10 +238,7 @@ class PackedAttention(torch.nn.Module):
         if name == "te":
             out = self._te_attention(q, k, v, docs, dropout, cp_group=group)
         else:
-            out = cp_attention(
-                q, k, v, plan, docs.cu_buffer, group=group, layout=self.cp_layout,
-                kernel=name, scale=self.softmax_scale, dropout=dropout,
-            )  # fmt: skip
+            out = cp_attention(q, k, v, plan, group=group, kernel=name, scale=self.softmax_scale, dropout=dropout)  # fmt: skip
         return out.reshape(q.shape[0], -1)
 
     def _te_attention(

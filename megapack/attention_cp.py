@@ -12,7 +12,8 @@ computes attention itself, in three steps:
    alone (the same `cp_indices` the batch was sliced with) and cuts the real (non-padding) local
    queries into *segments*: maximal runs that lie in one document at consecutive positions. A
    segment of queries at positions ``[p, p + n)`` of a document starting at ``s`` attends to the keys
-   ``[s, p + n)``, causally aligned at the bottom right (the last query sees the last key).
+   ``[s, p + n)``, causally aligned at the bottom right (the last query sees the last key). The
+   plan costs a few host syncs on a GPU; `plan_for` builds it once per micro-batch (first layer).
 3. **Attend.** The selected queries, and the keys of every segment laid one after another, go to
    a varlen kernel with ``cu_seqlens_q != cu_seqlens_k`` (flash-attn, torch varlen: causal is bottom-right
    aligned there), to flex_attention with the equivalent mask, or to the per-segment SDPA reference.
@@ -34,6 +35,7 @@ segments; h query heads, g key/value groups, d head dim (per tensor-parallel par
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 from typing import Any, cast
@@ -65,6 +67,8 @@ class CpPlan:
     """Longest query segment."""
     max_k: int
     """Longest key segment."""
+    order: torch.Tensor
+    """[cp, Tl] int64 row positions held by every CP rank (where gathered K/V rows go)."""
 
     @classmethod
     def build(
@@ -111,7 +115,11 @@ class CpPlan:
             cu_k[:-1], len_k, output_size=nk
         )
         k_index = torch.repeat_interleave(first_key, len_k, output_size=nk) + within
+        order = torch.stack([
+            cp_indices(cu, cp_size, r, layout=layout, total=total) for r in range(cp_size)
+        ])  # fmt: skip
         return cls(
+            order=order,
             positions=positions,
             offsets=offsets,
             q_index=q_index,
@@ -121,6 +129,39 @@ class CpPlan:
             max_q=int(len_q.max()) if len(starts) else 0,
             max_k=int(len_k.max()) if len(starts) else 0,
         )
+
+
+def plan_for(
+    params: Any,
+    cu_buffer: torch.Tensor,
+    cu_real: torch.Tensor,
+    *,
+    cp_size: int,
+    cp_rank: int,
+    layout: CpLayout,
+    local_total: int,
+) -> CpPlan:
+    """`CpPlan.build`, once per micro-batch: cached on ``params`` (its ``packed_seq_params``).
+
+    megatron-core hands every layer the same ``packed_seq_params`` object, so the plan (a few host
+    syncs on a GPU) is built by the first layer and reused by the others. The cache holds the
+    boundary tensor it was built from and is rebuilt when that is not the same object.
+    """
+    key = (cp_size, cp_rank, layout, local_total)
+    cache: tuple[torch.Tensor, list[tuple[Any, CpPlan]]] | None = getattr(
+        params, "_megapack_cp_plans", None
+    )
+    if cache is None or cache[0] is not cu_buffer:
+        cache = (cu_buffer, [])
+        with contextlib.suppress(AttributeError):  # a params object without __dict__: no cache
+            params._megapack_cp_plans = cache
+    for (cached_key, cached_real), plan in cache[1]:
+        if cached_key == key and cached_real is cu_real:
+            return plan
+    plan = CpPlan.build(cu_buffer, cu_real, cp_size=cp_size, cp_rank=cp_rank, layout=layout,
+                        local_total=local_total)  # fmt: skip
+    cache[1].append(((key, cu_real), plan))
+    return plan
 
 
 def row_positions(
@@ -181,26 +222,19 @@ def cp_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     plan: CpPlan,
-    cu_buffer: torch.Tensor,
     *,
     group: Any,
-    layout: CpLayout,
     kernel: str,
     scale: float,
     dropout: float,
 ) -> torch.Tensor:
     """Attention of this rank's queries ``q [Tl, h, d]`` over the whole row: returns [Tl, h, dv].
 
-    ``k``/``v`` are this rank's [Tl, g, d] shares, ``plan`` this rank's `CpPlan`, ``cu_buffer`` the
-    whole row's buffer boundaries; ``kernel`` one of ``CROSS_KERNELS``. Every rank of ``group`` must
-    call it, forward and backward.
+    ``k``/``v`` are this rank's [Tl, g, d] shares, ``plan`` this rank's `CpPlan` (`plan_for`);
+    ``kernel`` one of ``CROSS_KERNELS``. Every rank of ``group`` must call it, forward and backward.
     """
-    cp_size, local = dist.get_world_size(group), q.shape[0]
-    order = torch.stack([
-        cp_indices(cu_buffer, cp_size, r, layout=layout, total=cp_size * local)
-        for r in range(cp_size)
-    ])  # fmt: skip
-    kv = GatherRows.apply(torch.cat([k, v], dim=-1), order, group)[plan.k_index]
+    local = q.shape[0]
+    kv = GatherRows.apply(torch.cat([k, v], dim=-1), plan.order, group)[plan.k_index]
     k_sel, v_sel = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
     if (
         plan.max_q == 0

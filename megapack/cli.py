@@ -14,6 +14,7 @@ import argparse
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -46,10 +47,93 @@ def _tokenizer(path: str | None) -> Any:
     return HFTokenizer.from_file(path) if path else ByteTokenizer()
 
 
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    """``--tokenizer`` and the chat template flags."""
+    p.add_argument(
+        "--tokenizer",
+        help="a HF tokenizer directory (tokenizer.json + tokenizer_config.json; its chat_template "
+        "renders chat records) or a bare tokenizer.json (default: the built-in byte tokenizer)",
+    )
+    p.add_argument(
+        "--builtin-chat-template",
+        action="store_true",
+        help="render chats with megapack's built-in template even when the tokenizer has its own",
+    )
+    p.add_argument("--chat-template-name", help="which of several named chat templates to use")
+
+
+def chat_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``chat_template=`` for record readers: the tokenizer directory's own template, if any."""
+    if not args.tokenizer or args.builtin_chat_template or not Path(args.tokenizer).is_dir():
+        return {}
+    from megapack.data.hf_chat import HFChatTemplate
+
+    template = HFChatTemplate.from_pretrained(args.tokenizer, name=args.chat_template_name)
+    return {"chat_template": template} if template is not None else {}
+
+
+RECORD_SUFFIXES = (
+    ".jsonl",
+    ".json",
+    ".jsonl.gz",
+    ".json.gz",
+    ".parquet",
+    ".arrow",
+    ".feather",
+    ".ipc",
+)
+
+
+def add_reader_arguments(p: argparse.ArgumentParser) -> None:
+    """Column mapping, ``--shard`` and ``--workers`` for record inputs (JSONL, Parquet, Arrow)."""
+    for part in ("text", "prompt", "completion", "messages", "tools"):
+        p.add_argument(
+            f"--{part}-field",
+            default=part,
+            metavar="KEY",
+            help=f"key/column of the {part} (default {part})",
+        )
+    p.add_argument(
+        "--shard",
+        metavar="RANK/WORLD",
+        help="read only this share of the rows (e.g. 0/8), disjoint across ranks",
+    )
+    p.add_argument(
+        "--workers", type=int, default=1, help="processes converting rows (default 1: this one)"
+    )
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"2/8"`` -> ``(2, 8)``; ValueError naming --shard otherwise."""
+    try:
+        rank, world = (int(v) for v in text.replace(",", "/").split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {text!r}: expected RANK/WORLD, e.g. 0/8") from None
+    return rank, world
+
+
+def reader_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Options for `read_documents` from the flags; record-only ones only for record inputs."""
+    options: dict[str, Any] = {"skip_bad": True} if args.skip_bad else {}
+    if not _is_record_input(args.input):
+        return options
+    from megapack.data import Fields
+
+    parts = ("text", "prompt", "completion", "messages", "tools")
+    fields = Fields(**{part: getattr(args, f"{part}_field") for part in parts})
+    if fields != Fields():
+        options["fields"] = fields
+    if args.shard:
+        options["shard"] = parse_shard(args.shard)
+    if args.workers != 1:
+        options["workers"] = args.workers
+    return options | chat_options(args)
+
+
 def _read(args: argparse.Namespace, tokenizer: Any = None) -> tuple[list[Any], str]:
     from megapack.data import read_documents
 
-    options = {"skip_bad": True} if args.skip_bad else {}
+    options = reader_options(args)
     reader = read_documents(args.input, tokenizer or _tokenizer(args.tokenizer), **options)
     docs = list(progress(reader, f"reading {args.input}"))
     stats = getattr(reader, "stats", None)
@@ -62,26 +146,57 @@ def _read(args: argparse.Namespace, tokenizer: Any = None) -> tuple[list[Any], s
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
-    from megapack.data import PackedDataset
+    from itertools import islice
+
+    from megapack.data import read_documents
+    from megapack.data.pack_writer import PackWriter
+    from megapack.progress import Progress
 
     tokenizer = _tokenizer(args.tokenizer)
-    docs, note = _read(args, tokenizer)
-    if note:
-        print(note, file=sys.stderr)
+    options = reader_options(args)
+    same = {k: v for k, v in options.items() if k not in ("skip_bad", "workers")}  # may change
+    config = {"input": str(Path(args.input).resolve()), "tokenizer": args.tokenizer, **same}
     start = time.perf_counter()
-    dataset = PackedDataset(
-        docs, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, cp_size=args.cp_size, algorithm=args.algorithm,
-        long_docs=args.long_docs, seed=args.seed, pad_token_id=tokenizer.pad_id,
+    writer = PackWriter(
+        args.out, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, cp_size=args.cp_size,
+        algorithm=args.algorithm,
+        long_docs=args.long_docs, seed=args.seed, pad_token_id=tokenizer.pad_id, config=config,
+        resume=args.resume, checkpoint_every=args.checkpoint_every,
     )  # fmt: skip
-    out = dataset.save(args.out)
-    m = dataset.meta
+    record = "fields" in options or _is_record_input(args.input)
+    skip = {"skip": writer.rows_done} if record and writer.rows_done else {}
+    reader = read_documents(args.input, tokenizer, **options, **skip)
+    if writer.rows_done:
+        print(
+            f"resuming after {writer.rows_done:,} input rows ({writer.documents:,} documents)",
+            file=sys.stderr,
+        )
+        if not record:
+            reader = islice(reader, writer.rows_done, None)
+    path = Path(args.input)
+    size = path.stat().st_size if path.is_file() else None
+    progress = Progress(f"packing {args.input}", input_bytes=size)
+    position = (lambda: int(reader.rows_done)) if hasattr(reader, "rows_done") else None
+    try:
+        meta = writer.write(reader, position=position, on_progress=progress.update)
+    finally:
+        progress.close()
+    stats = getattr(reader, "stats", None)
+    if stats is not None and stats.skipped:
+        print(
+            f"{stats.skipped:,} bad lines skipped {dict(stats.skipped_by_problem)}", file=sys.stderr
+        )
     print(
-        f"packed {m['documents']:,} documents into {m['rows']:,} rows of {m['seq_len']:,} tokens "
-        f"({m['efficiency']:.2%} efficiency, {m['padding_tokens']:,} alignment padding tokens, lower bound "
-        f"{m['lower_bound']:,} rows, {args.algorithm}) "
-        f"in {time.perf_counter() - start:.1f} s -> {out}"
+        f"packed {meta['documents']:,} documents into {meta['rows']:,} rows of {meta['seq_len']:,} tokens "
+        f"({meta['efficiency']:.2%} efficiency, {meta['padding_tokens']:,} alignment padding tokens, lower bound "
+        f"{meta['lower_bound']:,} rows, {args.algorithm}) "
+        f"in {time.perf_counter() - start:.1f} s -> {args.out}"
     )
     return 0
+
+
+def _is_record_input(path: str) -> bool:
+    return str(path).lower().endswith(RECORD_SUFFIXES) or Path(path).is_dir()
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -115,7 +230,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"\npacking at seq_len {args.seq_len:,}")
     print("| algorithm | rows | efficiency | seconds |\n| --- | --- | --- | --- |")
     results = {}
-    for algorithm in ("next_fit", "first_fit", "ffd", "bfd", "best"):
+    from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
+
+    for algorithm in ALGORITHMS:
         start = time.perf_counter()
         result = plan(planned, args.seq_len, algorithm=algorithm, time_limit_s=args.time_limit)
         results[algorithm] = result
@@ -136,7 +253,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(
         f"\n{int(long.sum()):,} documents longer than {args.seq_len:,} tokens ({int((lengths[long] - args.seq_len).sum()):,} tokens beyond)"
     )
-    for policy in ("split", "truncate", "drop"):
+    for policy in (p for p in LONG_DOC_POLICIES if p != "error"):
         r = plan(planned, args.seq_len, algorithm="bfd", long_docs=policy)
         print(
             f"  {policy:>8}: {r.truncated_tokens + r.dropped_tokens:,} tokens lost, {r.num_bins:,} rows"
@@ -191,6 +308,7 @@ def _cost_model(args: argparse.Namespace) -> tuple[Any, str]:
 
 def _balance_report(args: argparse.Namespace, lengths: np.ndarray) -> dict[str, Any]:
     from megapack.packing.compare import compare_plans
+    from megapack.packing.names import BALANCE_MODES
 
     cost, label = _cost_model(args)
     dp = 1 if args.dp is None else args.dp
@@ -202,7 +320,7 @@ def _balance_report(args: argparse.Namespace, lengths: np.ndarray) -> dict[str, 
     print(f"\ndata-parallel balance: dp {dp}, {m} micro-batches of {args.rows_per_micro_batch} row(s)"
           f" per rank per step, {r['global_batches']:,} full global batches; cost {label}")  # fmt: skip
     print("| plan | imbalance (max / mean rank cost) | efficiency |\n| --- | --- | --- |")
-    for mode in ("token", "compute"):
+    for mode in BALANCE_MODES:
         print(
             f"| {mode} | {r[f'imbalance_{mode}_plan']:.4f} | {r[f'efficiency_{mode}_plan']:.2%} |"
         )
@@ -246,11 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def data_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("input", help="a .jsonl/.json, .bin/.idx (or prefix), .npy/.npz file")
-        p.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
         p.add_argument(
-            "--tokenizer", help="a HF tokenizer.json (default: the built-in byte-level tokenizer)"
+            "input",
+            help="a .jsonl/.json, .parquet/.arrow file or HF datasets directory, .bin/.idx "
+            "(or prefix), .npy/.npz file",
         )
+        p.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
+        add_chat_arguments(p)
+        add_reader_arguments(p)
         p.add_argument(
             "--skip-bad",
             action="store_true",
@@ -268,13 +389,23 @@ def build_parser() -> argparse.ArgumentParser:
     pack = sub.add_parser("pack", help="pack documents into a dataset PackedDataset.load reads")
     data_args(pack)
     pack.add_argument("--out", required=True, help="output directory")
-    pack.add_argument(
-        "--algorithm", default="bfd", choices=["bfd", "ffd", "first_fit", "next_fit", "best"]
-    )
-    pack.add_argument(
-        "--long-docs", default="split", choices=["split", "truncate", "drop", "error"]
-    )
+    from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
+
+    pack.add_argument("--algorithm", default=ALGORITHMS[0], choices=ALGORITHMS)
+    pack.add_argument("--long-docs", default=LONG_DOC_POLICIES[0], choices=LONG_DOC_POLICIES)
     pack.add_argument("--seed", type=int, default=0)
+    pack.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted pack in --out from its last completed shard",
+    )
+    pack.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=100_000,
+        metavar="DOCS",
+        help="documents per completed shard (checkpoint) of the output (default 100,000)",
+    )
     pack.set_defaults(func=cmd_pack)
 
     stats = sub.add_parser(

@@ -43,7 +43,7 @@ def take_cp_share(
     """Every per-token field of ``tensors`` cut to CP rank ``cp_rank``'s share; the rest unchanged.
 
     Args:
-        layout: PACKED (THD [1, T] with boundaries) or PLAIN ([b, s]), from `megapack.wire.normalize`.
+        layout: PACKED (THD [1, T] with boundaries) or PLAIN ([b, s]), from `megapack.inputs.normalize`.
         tensors: the normalized fields by name.
         cp_size, cp_rank: the CP group's size and this rank's index in it.
         cp_layout: "document" or "row" for packed batches; plain batches always split by row.

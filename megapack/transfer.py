@@ -3,7 +3,7 @@
 Megatron's ``get_batch_on_this_tp_rank`` broadcasts each tensor separately (5-12 collectives a
 micro-batch, plus a size broadcast and a host sync for ``cu_seqlens``). Here a call is one frame,
 
-    [ fixed-size header | payload (the stage's fields, `megapack.wire`) | slack ]
+    [ 192-byte header | payload (the stage's fields, `megapack.wire`) | slack ]
 
 broadcast from the TP source. Receivers must allocate the frame before they know the batch, so
 every TP group keeps a payload *capacity* that all its ranks derive from the same headers without
@@ -11,6 +11,9 @@ talking: a payload that fits travels inside the frame (1 collective); one that d
 a second broadcast (2 collectives) and the capacity grows to it plus 1/8 slack (and shrinks again
 when payloads fall under a quarter of it). With a fixed sequence length only the first call, and
 a call with unusually many documents, take two. A clean stop is one collective; tp=1 none.
+
+With context parallelism the source first cuts the normalized batch to its CP rank's share
+(`megapack.cp_share`), so the payload holds 1/cp of the token bytes; the encoding never sees more.
 
 A failure on the source while fetching or validating is sent in place of a batch: the source
 re-raises its own error and every peer raises `RemoteDataError` within one collective's latency.

@@ -11,6 +11,9 @@ uint8 payload of `pieces`, each 8-byte aligned: the stage's per-token fields in 
 (`megapack.codec`: int32 tokens, labels as a shift plus exceptions, loss mask as bits, positions
 rebuilt from the boundaries) and the other fields as they are. `decode` gives every TP rank, the
 source included, identical values, shapes, dtypes and None-ness. Metadata is O(documents).
+
+What a data iterator may yield is validated into named fields by `megapack.inputs.normalize`; with
+context parallelism `megapack.cp_share` cuts them to a CP rank's share before `encode_fields`.
 """
 
 from __future__ import annotations
@@ -60,9 +63,8 @@ FIELDS: tuple[Field, ...] = (
     Field("attention_mask", torch.bool, ALL_STAGES, "mask", cp_dim=2),  # [b, 1, s_q, s_kv]: queries
     Field("cu_seqlens", CU_DTYPE, ALL_STAGES, "cu"),
     Field("cu_seqlens_padded", CU_DTYPE, ALL_STAGES, "cu_padded"),
-    Field(
-        "dataset_id", TOKEN_DTYPE, ALL_STAGES, "samples"
-    ),  # BlendedDataset's source of each sample
+    # BlendedDataset's source of each sample, [b]:
+    Field("dataset_id", TOKEN_DTYPE, ALL_STAGES, "samples"),
 )
 FIELD_BITS = {f.name: 1 << i for i, f in enumerate(FIELDS)}
 """A field's bit in `Header.field_mask`."""

@@ -2,10 +2,11 @@
 
 Sections (each a module here): `transfer` (get_batch_on_this_tp_rank vs Megatron-style per-tensor
 broadcasts vs one bare broadcast), `throughput` (real tokens/s packed vs padded, tiny megatron-core
-GPT), `packing` (every algorithm's efficiency against the lower bound, and planning time) and
+GPT), `packing` (every algorithm's efficiency against the lower bound, and planning time),
 `balance` (token plan vs compute plan across data-parallel ranks: imbalance, efficiency, and the
-slowest rank's measured step time with the tiny GPT on CPU) and `cp` (the padding each
-context-parallel layout costs on the real lengths at cp 2, 4, 8).
+slowest rank's measured step time with the tiny GPT on CPU), `cp` (the padding each
+context-parallel layout costs on the real lengths at cp 2, 4, 8) and `pack` (``megapack pack``
+of a JSONL file vs bare read + json + encode_batch, MB/s, peak RSS).
 
 Launched plainly, it starts its own worker processes (gloo on CPU); under ``torchrun`` it uses the
 launched ranks (NCCL when CUDA is present). Output: a markdown report on stdout, ``--json PATH``
@@ -45,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--skip",
         nargs="*",
         default=[],
-        choices=["transfer", "throughput", "packing", "balance", "cp"],
+        choices=["transfer", "throughput", "packing", "balance", "cp", "pack"],
     )
 
 
@@ -67,6 +68,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "balance_timing_docs": 48 if quick else 160,
         "balance_timing_seq_len": 1024 if quick else 2048,
         "balance_timing_repeats": 1 if quick else 3,
+        "pack_documents": [500, 5_000] if quick else [5_000, 50_000],  # two inputs 10x apart
+        "pack_repeats": 1 if quick else 3,
     }
 
 
@@ -90,6 +93,7 @@ def main(args: argparse.Namespace) -> int:
         "balance": [],
         "balance_timing": [],
         "cp": [],
+        "pack": [],
     }
     if launched:
         dist.init_process_group("nccl" if _cuda() else "gloo")
@@ -145,6 +149,12 @@ def main(args: argparse.Namespace) -> int:
 
         _step("cp padding", rank0)
         results["cp"] = run_cp_padding(lengths, OPENCHAT_CAP)
+
+    if rank0 and "pack" not in args.skip:
+        from megapack.bench.pack import run_pack
+
+        _step("pack", rank0)
+        results["pack"] = run_pack(cfg["pack_documents"], cfg["pack_repeats"])
     if rank0:
         from megapack.bench.balance import markdown as balance_markdown
 
@@ -154,11 +164,15 @@ def main(args: argparse.Namespace) -> int:
             from megapack.bench.cp import markdown as cp_markdown
 
             print(cp_markdown(results["cp"]), flush=True)
+        if results["pack"]:
+            from megapack.bench.pack import markdown as pack_markdown
+
+            print(pack_markdown(results["pack"]), flush=True)
         if args.json:
             out = report.to_json(results)
             out["balance"], out["balance_timing"] = results["balance"], results["balance_timing"]
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            out = out | {"cp": results["cp"]}
+            out = out | {"cp": results["cp"], "pack": results["pack"]}
             Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
             print(f"JSON -> {args.json}")
         if args.plots:

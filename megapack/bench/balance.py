@@ -77,7 +77,7 @@ def run_balance(lengths: list[int], long_tail_n: int, seed: int = 0) -> list[dic
 
 
 def _model_kit() -> tuple[Any, Any, Any, Any]:
-    """The tiny GPT and its helpers: the one place to change when they move to megapack.models."""
+    """The tiny GPT and its helpers (megapack.models, not megapack.testing)."""
     from megapack.megatron_cpu import megatron_on_cpu
     from megapack.models import TinyGPT, forward_step, init_weights
 

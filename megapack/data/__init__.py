@@ -2,12 +2,14 @@
 
     read_documents(path)          one entry point, dispatching on the suffix:
       read_jsonl                  {"text"}, {"prompt", "completion"}, {"messages"} lines
+      read_table                  the same records as Parquet / Arrow rows, HF save_to_disk dirs
       read_indexed                megatron-core .bin/.idx pairs
       read_numpy / documents_from_*  token arrays with offsets, eos splitting, lists of arrays
     split_document(doc, max_len)  cut long documents at message boundaries for a packer
     PackedDataset                 documents packed into equal per-rank shards of PackedBatch micro-batches
     ByteTokenizer, HFTokenizer    the Tokenizer protocol's two implementations
-    ChatTemplate                  how chat messages are rendered and which turns are learned
+    ChatTemplate                  built-in chat rendering (the fallback, e.g. for ByteTokenizer)
+    HFChatTemplate                a model's own Jinja chat template, as apply_chat_template renders it
 
 Documents go into a batch through ``PackedBatch.from_documents([d.as_dict() for d in docs])``.
 
@@ -25,22 +27,31 @@ from megapack.data.arrays import (
 from megapack.data.chat import ChatTemplate
 from megapack.data.dataset import PackedDataset
 from megapack.data.document import Document
+from megapack.data.hf_chat import ChatTemplateError, HFChatTemplate
 from megapack.data.indexed import read_indexed
 from megapack.data.jsonl import JsonlReader, JsonlStats, read_jsonl
 from megapack.data.read import read_documents
-from megapack.data.records import BadLineError
+from megapack.data.record_reader import ReaderStats, RecordReader
+from megapack.data.records import BadLineError, Fields
 from megapack.data.split import split_document
+from megapack.data.tables import TableReader, read_table
 from megapack.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
     "BadLineError",
     "ByteTokenizer",
     "ChatTemplate",
+    "ChatTemplateError",
     "Document",
+    "Fields",
+    "HFChatTemplate",
     "HFTokenizer",
     "JsonlReader",
     "JsonlStats",
     "PackedDataset",
+    "ReaderStats",
+    "RecordReader",
+    "TableReader",
     "Tokenizer",
     "documents_from_array",
     "documents_from_arrays",
@@ -50,5 +61,6 @@ __all__ = [
     "read_indexed",
     "read_jsonl",
     "read_numpy",
+    "read_table",
     "split_document",
 ]

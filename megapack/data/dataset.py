@@ -10,9 +10,10 @@ Each epoch shuffles the rows with ``(seed, epoch)``, groups ``rows_per_micro_bat
 THD micro-batch, and pads the number of micro-batches to a multiple of ``dp_size * micro_batches``
 with zero-loss micro-batches, so every data-parallel rank gets the same count, in whole optimizer
 steps (item i of rank r is micro-batch r + i * dp_size). Nothing is dropped. With
-``balance="compute"`` the rows of every global batch (``dp_size * micro_batches`` micro-batches)
-are dealt so that each rank's step costs about the same under ``cost``, and each rank's micro-batches
-are put in pipeline-friendly order (`megapack.packing.balance`); every rank computes the same order.
+``balance="compute"`` the shuffled rows are formed into global batches (``dp_size *
+micro_batches`` micro-batches) of similar-cost layers and dealt so that each rank's step costs
+about the same under ``cost``, each rank's micro-batches in pipeline-friendly order
+(`megapack.packing.balance`); every rank computes the same order, without communication.
 
 Storage is flat numpy arrays (tokens, loss mask, document offsets, bins as (doc, start, stop)
 slices), the same in memory and on disk: `save` writes them, `load` memory-maps them back.
@@ -23,20 +24,21 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch.distributed as dist
 
 from megapack.batch import PackedBatch
 from megapack.data.document import Document
+from megapack.data.layout import FORMAT_VERSION, check_layout, plan_layout
 from megapack.data.split import split_document
+from megapack.packing.names import BALANCE_MODES, LONG_DOC_POLICIES
 
 if TYPE_CHECKING:
     from megapack.packing.cost import CostModel
 
-FORMAT_VERSION = 1
-LONG_DOCS = ("split", "truncate", "drop", "error")
+LONG_DOCS = LONG_DOC_POLICIES  # the one list, in megapack.packing.names
 
 
 class PackedDataset:
@@ -83,57 +85,22 @@ class PackedDataset:
         micro_batches: int = 1,
         cost: CostModel | None = None,
     ) -> None:
-        from megapack.cp import cp_pad_multiple
-        from megapack.packing import plan
-
-        _check_positive(seq_len=seq_len, pad_to_multiple_of=pad_to_multiple_of, cp_size=cp_size)
-        multiple = cp_pad_multiple(cp_size, pad_to_multiple_of)
-        if seq_len % multiple:
-            why = (
-                f"pad_to_multiple_of={multiple}"
-                if cp_size == 1
-                else f"{multiple} (pad_to_multiple_of={pad_to_multiple_of}, cp_size={cp_size}: "
-                "lcm(pad_to_multiple_of, 2 * cp_size))"
-            )
-            raise ValueError(f"seq_len={seq_len} must be a multiple of {why}")
-        pad_to_multiple_of = multiple
-        if long_docs not in LONG_DOCS:
-            raise ValueError(f"long_docs={long_docs!r}; choose one of {LONG_DOCS}")
+        multiple = check_layout(seq_len, pad_to_multiple_of, cp_size, long_docs)
         docs = list(documents)
         if not docs:
             raise ValueError("documents is empty: nothing to pack")
         if long_docs == "split":
             docs = [piece for doc in docs for piece in split_document(doc, seq_len)]
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
-        aligned = -(-lengths // pad_to_multiple_of) * pad_to_multiple_of
-        packing = plan(
-            aligned,
-            seq_len,
-            algorithm=algorithm,
-            long_docs="error" if long_docs == "split" else long_docs,
-            seed=seed,
-        )
-        slices = np.array(packing.slices, dtype=np.int64)  # (doc, start, stop) in aligned units
-        slices[:, 2] = np.minimum(
-            slices[:, 2], lengths[slices[:, 0]]
-        )  # alignment padding holds no tokens
-        real_tokens = int((slices[:, 2] - slices[:, 1]).clip(min=0).sum())
+        layout, self.meta = plan_layout(
+            lengths, seq_len, multiple=multiple, cp_size=cp_size, algorithm=algorithm,
+            long_docs=long_docs, seed=seed, pad_token_id=pad_token_id,
+        )  # fmt: skip
         self._arrays = {
             "tokens": np.concatenate([d.tokens for d in docs]),
             "loss_mask": np.concatenate([d.loss_mask for d in docs]),
-            "doc_offsets": np.concatenate([[0], np.cumsum(lengths)]),
-            "slices": slices,
-            "bin_offsets": np.array(packing.bin_offsets, dtype=np.int64),
+            **layout,
         }
-        self.meta: dict[str, Any] = {
-            "version": FORMAT_VERSION, "seq_len": seq_len, "pad_to_multiple_of": pad_to_multiple_of,
-            "algorithm": algorithm, "long_docs": long_docs, "seed": seed, "documents": len(docs),
-            "cp_size": cp_size, "rows": packing.num_bins, "lower_bound": packing.lower_bound,
-            "efficiency": real_tokens / max(packing.num_bins * seq_len, 1),  # alignment padding is waste
-            "padding_tokens": packing.packed_tokens - real_tokens,
-            "truncated_tokens": packing.truncated_tokens, "dropped_tokens": packing.dropped_tokens,
-            "pad_token_id": pad_token_id,
-        }  # fmt: skip
         self._configure(
             rows_per_micro_batch, dp_rank, dp_size, pad_token_id, balance, micro_batches, cost
         )
@@ -152,8 +119,8 @@ class PackedDataset:
 
         _check_positive(rows_per_micro_batch=rows_per_micro_batch, dp_size=dp_size)
         _check_positive(micro_batches=micro_batches)
-        if balance not in ("token", "compute"):
-            raise ValueError(f"balance={balance!r}; choose 'token' or 'compute'")
+        if balance not in BALANCE_MODES:
+            raise ValueError(f"balance={balance!r}; choose one of {BALANCE_MODES}")
         check_balance(
             balance, dp_size=dp_size, micro_batches=micro_batches,
             rows_per_micro_batch=rows_per_micro_batch, cost=cost,

@@ -1,9 +1,11 @@
 """`read_jsonl`: documents from a JSON-lines file, one per line, with counts of what was skipped.
 
-The reader streams: one line in memory at a time, bytes decoded per line so that invalid UTF-8 is
-reported with its line number like any other bad line. Blank lines are ignored (and counted).
-``.gz`` files are decompressed on the fly. The record formats and their loss masks are described in
-`megapack.data.records`; chat rendering in `megapack.data.chat`.
+The reader streams: one batch of lines in memory at a time, bytes decoded per line so that invalid
+UTF-8 is reported with its line number like any other bad line. Blank lines are ignored (and
+counted). ``.gz`` files are decompressed on the fly. The record formats and their loss masks are
+described in `megapack.data.records`; chat rendering in `megapack.data.chat` (built-in) and
+`megapack.data.hf_chat` (a model's own template); batching, workers and bad-line counting in
+`megapack.data.record_reader`.
 
 Bad lines: by default the first one raises `BadLineError` (a ValueError) naming file, line, field
 and value. With ``skip_bad=True`` they are skipped and counted, and `JsonlReader.stats` says how
@@ -11,7 +13,10 @@ many, why, and quotes the first few messages so that a run can log them::
 
     reader = read_jsonl("sft.jsonl", tokenizer, skip_bad=True)
     docs = list(reader)
-    print(reader.stats)   # JsonlStats(lines=1000, documents=997, skipped=3, ...)
+    print(reader.stats)   # ReaderStats(lines=1000, documents=997, skipped=3, ...)
+
+``shard=(rank, world)`` keeps lines ``rank, rank + world, ...`` (0-based, blank lines included in
+the count), so the ranks' shares are disjoint and cover the file.
 
 Design: the reader is an iterator object rather than a generator so that the counts live on it
 (``reader.stats``, an immutable snapshot taken when asked) instead of in an out-parameter. Cost:
@@ -22,148 +27,38 @@ Design: the reader is an iterator object rather than a generator so that the cou
 from __future__ import annotations
 
 import gzip
-import json
 import os
-from collections import Counter
-from collections.abc import Generator, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from types import MappingProxyType, TracebackType
-from typing import IO, Any
+from typing import Any
 
 from megapack.data.chat import ChatTemplate
-from megapack.data.document import Document
-from megapack.data.records import FORMATS, BadLineError, Format, record_to_document
+from megapack.data.record_reader import RawRow, ReaderStats, RecordReader
+from megapack.data.records import DEFAULT_FIELDS, FORMATS, Fields, Format, ModelChatTemplate
 from megapack.data.tokenizers import ByteTokenizer, Tokenizer
 
-MAX_QUOTED_ERRORS = 5
+JsonlStats = ReaderStats
+"""The counts of a `JsonlReader` (the name before other formats shared them)."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class JsonlStats:
-    """Counts of a `JsonlReader` so far.
+class JsonlReader(RecordReader):
+    """A single-pass iterator of Documents over one JSONL file; build it with `read_jsonl`."""
 
-    Example:
-        a file with 4 good lines, a blank line, an invalid JSON line and a line with an empty
-        ``text`` read with ``skip_bad=True``: ``lines=6, documents=4, skipped=2, blank=1,
-        skipped_by_problem={"invalid JSON": 1, "empty": 1}``.
-    """
-
-    lines: int = 0
-    """Non-blank lines read."""
-    blank: int = 0
-    """Blank (whitespace-only) lines ignored."""
-    documents: int = 0
-    """Documents yielded."""
-    tokens: int = 0
-    """Tokens in the documents yielded."""
-    skipped: int = 0
-    """Bad lines skipped (only with ``skip_bad=True``; otherwise the first one raises)."""
-    skipped_by_problem: MappingProxyType[str, int] = field(
-        default_factory=lambda: MappingProxyType({})
-    )
-    """Skipped lines per `BadLineError.problem`, e.g. ``{"invalid JSON": 2, "unknown role": 1}``."""
-    first_errors: tuple[str, ...] = ()
-    """The messages of the first few skipped lines (at most `MAX_QUOTED_ERRORS`), for logs."""
-
-
-class JsonlReader(Iterator[Document]):
-    """A single-pass iterator of Documents over one JSONL file; build it with `read_jsonl`.
-
-    Also a context manager: ``with read_jsonl(path) as reader: ...`` closes the file early.
-    """
-
-    def __init__(
-        self,
-        path: Path,
-        tokenizer: Tokenizer,
-        *,
-        format: Format,
-        skip_bad: bool,
-        append_eos: bool,
-        chat_template: ChatTemplate | None,
-    ) -> None:
+    def __init__(self, path: Path, tokenizer: Tokenizer, **options: Any) -> None:
         self.path = path
-        self.tokenizer = tokenizer
-        self._options: dict[str, Any] = {
-            "format": format,
-            "append_eos": append_eos,
-            "chat_template": chat_template,
-        }
-        self._skip_bad = skip_bad
-        self._counts = {"lines": 0, "blank": 0, "documents": 0, "tokens": 0, "skipped": 0}
-        self._problems: Counter[str] = Counter()
-        self._errors: list[str] = []
-        self._stream: IO[bytes] | None = None
-        self._lines = self._read()
+        super().__init__(tokenizer, **options)
 
-    @property
-    def stats(self) -> JsonlStats:
-        """A snapshot of the counts so far (complete once the reader is exhausted)."""
-        return JsonlStats(
-            **self._counts,
-            skipped_by_problem=MappingProxyType(dict(self._problems)),
-            first_errors=tuple(self._errors),
-        )
-
-    def __next__(self) -> Document:
-        return next(self._lines)
-
-    def close(self) -> None:
-        """Stop reading and close the file; later ``next`` calls raise StopIteration."""
-        self._lines.close()
-
-    def __enter__(self) -> JsonlReader:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    def _read(self) -> Generator[Document, None, None]:
+    def _rows(self) -> Iterator[RawRow]:
+        rank, world = self.shard
         opener = gzip.open if self.path.suffix == ".gz" else open
         with opener(self.path, "rb") as stream:
-            for number, raw in enumerate(stream, start=1):
+            for index, raw in enumerate(stream):
+                if index % world != rank:
+                    continue
                 if not raw.strip():
                     self._counts["blank"] += 1
                     continue
-                self._counts["lines"] += 1
-                try:
-                    doc = self._parse(raw, f"{self.path}:{number}", number)
-                except BadLineError as e:
-                    if not self._skip_bad:
-                        raise
-                    self._counts["skipped"] += 1
-                    self._problems[e.problem] += 1
-                    if len(self._errors) < MAX_QUOTED_ERRORS:
-                        self._errors.append(str(e))
-                    continue
-                self._counts["documents"] += 1
-                self._counts["tokens"] += len(doc)
-                yield doc
-
-    def _parse(self, raw: bytes, where: str, number: int) -> Document:
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise BadLineError(
-                where,
-                "<line>",
-                "invalid UTF-8",
-                raw,
-                f"bad byte at offset {e.start} of the line; re-encode the file as UTF-8",
-            ) from e
-        if number == 1:
-            text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark some editors write
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as e:
-            hint = f"{e.msg} at column {e.colno}; each line must be one complete JSON object"
-            if number == 1 and text.lstrip().startswith("["):
-                hint += " (this looks like a JSON array: write one element per line instead)"
-            raise BadLineError(where, "<line>", "invalid JSON", text.rstrip("\r\n"), hint) from e
-        return record_to_document(record, where=where, tokenizer=self.tokenizer, **self._options)
+                yield RawRow(f"{self.path}:{index + 1}", raw, index == 0)
 
 
 def read_jsonl(
@@ -173,7 +68,11 @@ def read_jsonl(
     format: Format = "auto",
     skip_bad: bool = False,
     append_eos: bool = True,
-    chat_template: ChatTemplate | None = None,
+    chat_template: ChatTemplate | ModelChatTemplate | None = None,
+    fields: Fields = DEFAULT_FIELDS,
+    shard: tuple[int, int] | None = None,
+    workers: int = 1,
+    skip: int = 0,
 ) -> JsonlReader:
     """Documents from a JSON-lines file (optionally ``.gz``), one per non-blank line.
 
@@ -185,7 +84,12 @@ def read_jsonl(
         skip_bad: skip and count bad lines (see `JsonlReader.stats`) instead of raising.
         append_eos: end each document with the tokenizer's eos id, learned (chat: see
             `record_to_document`).
-        chat_template: how ``messages`` are rendered; default `ChatTemplate()`.
+        chat_template: how ``messages`` are rendered; default `ChatTemplate()`; a model's own:
+            `HFChatTemplate`.
+        fields: which keys hold text, prompt, completion, messages, tools.
+        shard: ``(rank, world)``: read only lines ``rank::world``.
+        workers: processes converting batches of lines (1: in this process).
+        skip: non-blank lines of this shard to pass over unread (a resumed pack).
 
     Returns:
         A `JsonlReader`: iterate it for Documents, read ``.stats`` for counts.
@@ -210,4 +114,8 @@ def read_jsonl(
         skip_bad=skip_bad,
         append_eos=append_eos,
         chat_template=chat_template,
+        fields=fields,
+        shard=shard,
+        workers=workers,
+        skip=skip,
     )

@@ -1,7 +1,10 @@
 """`read_documents`: one entry point that picks the reader from the file suffix.
 
     suffix                          reader            options
-    .jsonl, .json (+ .gz)           `read_jsonl`       format, skip_bad, append_eos, chat_template
+    .jsonl, .json (+ .gz)           `read_jsonl`       format, skip_bad, append_eos, chat_template,
+                                                      fields, shard, workers
+    .parquet, .arrow, .feather,     `read_table`       the same as read_jsonl
+      .ipc, or a directory (HF datasets save_to_disk, or .parquet/.arrow files)
     .bin, .idx, or a bare prefix    `read_indexed`     (none)
     .npy, .npz                      `read_numpy`       eos_id
     an in-memory array or list      `documents_from_array` / `documents_from_arrays`
@@ -9,7 +12,7 @@
 ``.json`` is read as JSON lines too (one object per line), as most "JSON" training sets are. A
 bare prefix (``corpus_text_document``) is an indexed dataset when ``<prefix>.idx`` exists. Options
 are checked against the chosen reader, so a typo or an option for another format is a TypeError
-naming it, not silently ignored. Only JSONL needs a tokenizer (default `ByteTokenizer`); the others
+naming it, not silently ignored. Only JSONL and tables need a tokenizer (default `ByteTokenizer`); the others
 hold token ids already and ignore it.
 """
 
@@ -27,6 +30,7 @@ from megapack.data.arrays import documents_from_array, documents_from_arrays, re
 from megapack.data.document import Document
 from megapack.data.indexed import read_indexed
 from megapack.data.jsonl import read_jsonl
+from megapack.data.tables import TABLE_SUFFIXES, read_table
 from megapack.data.tokenizers import Tokenizer
 
 SUFFIXES = {
@@ -36,6 +40,7 @@ SUFFIXES = {
     ".idx": "indexed",
     ".npy": "numpy",
     ".npz": "numpy",
+    **dict.fromkeys(TABLE_SUFFIXES, "table"),
 }
 
 
@@ -77,17 +82,22 @@ def read_documents(
     kind = SUFFIXES.get(suffixes[-1]) if suffixes else None
     if kind is None and Path(str(path) + ".idx").is_file():
         kind = "indexed"
+    if kind is None and path.is_dir():
+        kind = "table"
     if kind == "jsonl":
         return _call(read_jsonl, "JSONL", path, options, tokenizer=tokenizer)
+    if kind == "table" and path.suffix.lower() != ".gz":
+        return _call(read_table, "Parquet/Arrow", path, options, tokenizer=tokenizer)
     if kind == "indexed":
         return _call(read_indexed, "megatron indexed", path, options)
     if kind == "numpy" and path.suffix.lower() != ".gz":
         return _call(read_numpy, "numpy", path, options)
     raise ValueError(
         f"{path}: cannot tell the format from the suffix {''.join(path.suffixes) or '(none)'!r}; "
-        "read_documents reads .jsonl/.json (JSON lines, optionally .gz), .bin/.idx or a prefix "
-        "(megatron-core indexed dataset), .npy/.npz (token arrays). Rename the file or call "
-        "read_jsonl / read_indexed / read_numpy directly"
+        "read_documents reads .jsonl/.json (JSON lines, optionally .gz), .parquet/.arrow/.feather/"
+        ".ipc or a datasets directory (tables), .bin/.idx or a prefix (megatron-core indexed "
+        "dataset), .npy/.npz (token arrays). Rename the file or call read_jsonl / read_table / "
+        "read_indexed / read_numpy directly"
     )
 
 

@@ -19,7 +19,8 @@ line, the field (``messages[2].role``) and the value (truncated), with a hint.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -29,7 +30,49 @@ from megapack.data.tokenizers import Tokenizer
 
 Format = Literal["auto", "text", "prompt_completion", "chat"]
 FORMATS: tuple[str, ...] = ("auto", "text", "prompt_completion", "chat")
-_KEYS = {"text": ("text",), "prompt_completion": ("prompt", "completion"), "chat": ("messages",)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fields:
+    """Which record keys (JSON keys, table columns) hold each part of a record.
+
+    Example:
+        rows ``{"question": ..., "answer": ...}`` read as prompt/completion:
+        ``Fields(prompt="question", completion="answer")``.
+    """
+
+    text: str = "text"
+    """The text of a "text" record."""
+    prompt: str = "prompt"
+    """The prompt of a "prompt_completion" record (context, not learned)."""
+    completion: str = "completion"
+    """The completion of a "prompt_completion" record (learned)."""
+    messages: str = "messages"
+    """The list of ``{"role", "content"}`` messages of a "chat" record."""
+    tools: str = "tools"
+    """A chat record's tools, passed to a model's own chat template (`HFChatTemplate`)."""
+
+    def keys(self, kind: str) -> tuple[str, ...]:
+        """The keys that identify format ``kind``."""
+        return {
+            "text": (self.text,),
+            "prompt_completion": (self.prompt, self.completion),
+            "chat": (self.messages,),
+        }[kind]
+
+
+DEFAULT_FIELDS = Fields()
+
+
+class ModelChatTemplate(Protocol):
+    """A chat template that renders whole conversations (`megapack.data.hf_chat.HFChatTemplate`)."""
+
+    roles: tuple[str, ...]
+    learned_roles: tuple[str, ...]
+
+    def render(
+        self, messages: Any, tokenizer: Any, *, tools: Any = None, where: str = ""
+    ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]: ...
 
 
 class BadLineError(ValueError):
@@ -46,10 +89,16 @@ class BadLineError(ValueError):
         """The offending field, ``"text"``, ``"messages[2].content"``, or ``"<line>"``."""
         self.problem = problem
         """A short reason (``"invalid JSON"``, ``"missing"``, ``"wrong type"``, ``"empty"``, ...),
-        also the key of `JsonlStats.skipped_by_problem`."""
+        also the key of `ReaderStats.skipped_by_problem`."""
         self.value = value
         """The offending value (the raw line for invalid JSON)."""
+        self.hint = hint
+        """How to fix it."""
         super().__init__(f"{where}: field {field!r}: {problem}, got {shorten(value)}. Hint: {hint}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle with the parts (worker processes send bad rows back)."""
+        return (type(self), (self.where, self.field, self.problem, self.value, self.hint))
 
 
 def shorten(value: Any, limit: int = 80) -> str:
@@ -65,7 +114,8 @@ def record_to_document(
     tokenizer: Tokenizer,
     format: Format = "auto",
     append_eos: bool = True,
-    chat_template: ChatTemplate | None = None,
+    chat_template: ChatTemplate | ModelChatTemplate | None = None,
+    fields: Fields = DEFAULT_FIELDS,
 ) -> Document:
     """Turn one parsed JSON value into a Document; see the module docstring for the formats.
 
@@ -78,25 +128,34 @@ def record_to_document(
         append_eos: end text and prompt/completion documents with ``tokenizer.eos_id`` (learned);
             chat documents end with eos when the template ends every turn with it, otherwise this
             appends one, learned when the last message's role is learned.
-        chat_template: how chat messages are rendered (default `ChatTemplate()`).
+        chat_template: how chat messages are rendered (default `ChatTemplate()`); a model's own
+            template (`HFChatTemplate`) renders the messages as given, tools included, and no eos
+            is appended (the template ends the turns).
+        fields: the keys holding each part (default: ``text``, ``prompt``, ...).
 
     Raises:
         BadLineError: the record does not fit the format.
     """
     if not isinstance(record, dict):
         raise BadLineError(where, "<line>", "not a JSON object", record, _FORMAT_HINT)
-    kind = _detect(record, where) if format == "auto" else format
+    kind = _detect(record, where, fields) if format == "auto" else format
     eos = [tokenizer.eos_id] if append_eos else []
     if kind == "text":
-        ids = _encode(record, "text", where, tokenizer)
+        ids = _encode(record, fields.text, where, tokenizer)
         return _document(ids + eos, [1.0] * (len(ids) + len(eos)), (), where)
     if kind == "prompt_completion":
-        prompt = _encode(record, "prompt", where, tokenizer)
-        completion = _encode(record, "completion", where, tokenizer)
+        prompt = _encode(record, fields.prompt, where, tokenizer)
+        completion = _encode(record, fields.completion, where, tokenizer)
         learned = [0.0] * len(prompt) + [1.0] * (len(completion) + len(eos))
         return _document(prompt + completion + eos, learned, (), where)
     template = chat_template if chat_template is not None else ChatTemplate()
-    messages = _messages(record, where, template)
+    messages = _messages(record, where, template, fields.messages)
+    if not isinstance(template, ChatTemplate):
+        tools = record.get(fields.tools)
+        tokens, mask, starts = template.render(
+            record[fields.messages], tokenizer, tools=tools, where=where
+        )
+        return _document(tokens, mask, starts, where)
     tokens, mask, starts = template.render(messages, tokenizer)
     if append_eos and not template.eos_per_turn:
         last = 1.0 if messages[-1][0] in template.learned_roles else 0.0
@@ -110,8 +169,9 @@ _FORMAT_HINT = (
 )
 
 
-def _detect(record: dict[str, Any], where: str) -> str:
-    found = [kind for kind, keys in _KEYS.items() if any(k in record for k in keys)]
+def _detect(record: dict[str, Any], where: str, fields: Fields) -> str:
+    kinds = ("text", "prompt_completion", "chat")
+    found = [kind for kind in kinds if any(k in record for k in fields.keys(kind))]
     if len(found) > 1:
         raise BadLineError(
             where,
@@ -121,7 +181,7 @@ def _detect(record: dict[str, Any], where: str) -> str:
             f"keys of {' and '.join(found)}: drop the extra keys or pass format=... to choose",
         )
     if not found:
-        raise BadLineError(where, "text", "missing", sorted(record), _FORMAT_HINT)
+        raise BadLineError(where, fields.text, "missing", sorted(record), _FORMAT_HINT)
     return found[0]
 
 
@@ -148,23 +208,25 @@ def _encode(record: dict[str, Any], key: str, where: str, tokenizer: Tokenizer) 
     return ids
 
 
-def _messages(record: dict[str, Any], where: str, template: ChatTemplate) -> list[tuple[str, str]]:
-    if "messages" not in record:
-        raise BadLineError(where, "messages", "missing", sorted(record), _FORMAT_HINT)
-    raw = record["messages"]
+def _messages(
+    record: dict[str, Any], where: str, template: ChatTemplate | ModelChatTemplate, key: str
+) -> list[tuple[str, str]]:
+    if key not in record:
+        raise BadLineError(where, key, "missing", sorted(record), _FORMAT_HINT)
+    raw = record[key]
     if not isinstance(raw, list):
         raise BadLineError(
             where,
-            "messages",
+            key,
             "wrong type",
             raw,
             "messages must be a list of {role, content} objects",
         )
     if not raw:
-        raise BadLineError(where, "messages", "empty", raw, "drop the line or give it messages")
+        raise BadLineError(where, key, "empty", raw, "drop the line or give it messages")
     out = []
     for i, message in enumerate(raw):
-        field = f"messages[{i}]"
+        field = f"{key}[{i}]"
         if not isinstance(message, dict):
             raise BadLineError(
                 where,
@@ -173,11 +235,12 @@ def _messages(record: dict[str, Any], where: str, template: ChatTemplate) -> lis
                 message,
                 'each message is an object like {"role": "user", "content": "hi"}',
             )
-        for key in ("role", "content"):
-            if key not in message:
+        tool_call = message.get("tool_calls") is not None and not isinstance(template, ChatTemplate)
+        for part in ("role",) if tool_call else ("role", "content"):
+            if part not in message:
                 raise BadLineError(
                     where,
-                    f"{field}.{key}",
+                    f"{field}.{part}",
                     "missing",
                     sorted(message),
                     'each message is an object like {"role": "user", "content": "hi"}',
@@ -199,11 +262,14 @@ def _messages(record: dict[str, Any], where: str, template: ChatTemplate) -> lis
                 role,
                 f"use one of {', '.join(template.roles)} (or a ChatTemplate with other roles=)",
             )
-        out.append((role, _text(message["content"], f"{field}.content", where)))
+        if tool_call and message.get("content") in (None, ""):
+            out.append((role, ""))  # an assistant turn that only calls tools
+        else:
+            out.append((role, _text(message["content"], f"{field}.content", where)))
     if not any(role in template.learned_roles for role, _ in out):
         raise BadLineError(
             where,
-            "messages",
+            key,
             "nothing to learn",
             [role for role, _ in out],
             f"a conversation needs at least one {' or '.join(template.learned_roles)} message",

@@ -97,6 +97,10 @@ class ByteTokenizer:
         """The UTF-8 bytes of ``text`` as ints."""
         return list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of every text (through ``self.encode``, so a subclass overriding it is used)."""
+        return [self.encode(t) for t in texts]
+
     def decode(self, ids: Sequence[int]) -> str:
         """Bytes back to text (invalid UTF-8 becomes U+FFFD); specials are skipped.
 
@@ -145,7 +149,7 @@ class HFTokenizer:
         pad_token: str | None = None,
         bos_token: str | None = None,
     ) -> HFTokenizer:
-        """Load a ``tokenizer.json`` and resolve its special ids.
+        """Load a ``tokenizer.json`` (or a HF tokenizer directory holding one) and resolve its special ids.
 
         Each special token comes from, in order: the argument; ``tokenizer_config.json`` in the
         same folder (``eos_token``, ``pad_token``, ``bos_token``, as HF writes them); the first
@@ -153,7 +157,8 @@ class HFTokenizer:
         to eos, bos to None; eos must be found.
 
         Args:
-            path: the ``tokenizer.json`` file.
+            path: the ``tokenizer.json`` file, or the directory holding it (a HF model or
+                tokenizer directory; its chat template: `HFChatTemplate.from_pretrained`).
             eos_token, pad_token, bos_token: token strings, e.g. ``"<|im_end|>"``.
 
         Raises:
@@ -174,8 +179,12 @@ class HFTokenizer:
                 "(or pip install 'megapack[tokenizers]')"
             ) from e
         file = Path(path)
+        if file.is_dir():
+            file = file / "tokenizer.json"
         if not file.is_file():
-            raise FileNotFoundError(f"{file}: no such tokenizer file (expected a tokenizer.json)")
+            raise FileNotFoundError(
+                f"{file}: no such tokenizer file (expected a tokenizer.json or a directory holding one)"
+            )
         backend = RustTokenizer.from_file(str(file))
         config = _read_config(file.parent / "tokenizer_config.json")
 
@@ -220,6 +229,11 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         """Ids of ``text``; the post-processor's special tokens (bos/eos templates) are not added."""
         return list(self.backend.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of every text, in parallel on all cores (the Rust ``encode_batch``)."""
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
+        return [e.ids for e in encodings]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` with special tokens skipped."""

@@ -19,9 +19,9 @@ dealing to data-parallel ranks), compare.py (token vs compute plan).
 
 from megapack.packing.bounds import l1_bound, l2_bound, lower_bound
 from megapack.packing.cost import CostModel
-from megapack.packing.items import LONG_DOC_POLICIES
+from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
 from megapack.packing.pack_plan import PackPlan, Slice
-from megapack.packing.plan import ALGORITHMS, plan
+from megapack.packing.plan import plan
 from megapack.packing.streaming import Piece, StreamingPacker
 
 __all__ = [

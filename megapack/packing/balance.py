@@ -10,33 +10,36 @@ and goes to DP rank ``j % dp`` as that rank's item ``j // dp``; global batch (op
 is micro-batches ``g * dp * M`` to ``(g + 1) * dp * M - 1``, ``M`` on each rank.
 
     token plan    the seeded shuffle, dealt round-robin (what PackedDataset did before balance)
-    compute plan  the same shuffle, so every global batch holds the same rows as in the token
-                  plan, but inside each global batch the rows are re-dealt:
-                  1. rank sets: longest-processing-time first (each row, most expensive first,
-                     to the cheapest rank that still has a free slot: every rank gets exactly
-                     its M * R slots), then pairwise swaps between the most expensive rank and
-                     another that lower the maximum, until none does. The token plan's own
-                     assignment is refined the same way and the better of the two kept, so no
-                     global batch is ever worse than in the token plan;
-                  2. micro-batches on a rank: the same LPT + swaps over its M micro-batches;
-                  3. their order on the rank (pipeline parallelism): the cheapest micro-batch
+    compute plan  `compute_order` of that shuffle:
+                  1. global batches: the rows sorted by cost and cut into *layers* of dp rows
+                     of about the same cost; the layers shuffled (seeded) and laid end to end,
+                     so a global batch is M * R random layers (`layers.stratify`);
+                  2. rank sets in each global batch: longest-processing-time first (each row,
+                     most expensive first, to the cheapest rank that still has a free slot, so
+                     every rank gets exactly its M * R slots; vectorized one layer at a time in
+                     `layers.deal_layers`), then pairwise swaps between the most expensive rank
+                     and another that lower the maximum, until none does;
+                  3. micro-batches on a rank: its rows snaked over its M micro-batches
+                     (`balance_order`, the fallback below: LPT + swaps);
+                  4. their order on the rank (pipeline parallelism): the cheapest micro-batch
                      first and the second cheapest last, the others from most to least
-                     expensive. Correctness does not depend on it; the pipeline fill waits on
-                     the first micro-batch's forward and the drain on the last one's backward,
-                     so cheap ones there shorten the bubble.
+                     expensive (`pipeline_order`). Correctness does not depend on it; the
+                     pipeline fill waits on the first micro-batch's forward and the drain on
+                     the last one's backward, so cheap ones there shorten the bubble.
+                  If that is less balanced than the token plan (possible on tiny inputs), the
+                  token plan's own global batches dealt by steps 2-4 (`balance_order`, each
+                  batch never worse than before) are the fallback: never less balanced.
 
 Worked example, rows with costs ``[8, 1, 8, 1]``, dp 2, M 2, R 1, seed 1 (whose shuffle keeps
-them in that order, `order_rows`). The token plan deals rows 0, 2 to rank 0 (cost 16) and rows 1, 3 to rank 1 (cost 2): imbalance 16 / 9 = 1.78.
-The compute plan's order is ``[1, 3, 0, 2]``: each rank runs a 1-cost row, then an 8-cost row
-(cost 9 each, imbalance 1.0). Packing efficiency does not change: the rows are the same.
+them in that order, `order_rows`). The token plan deals rows 0, 2 to rank 0 (cost 16) and rows
+1, 3 to rank 1 (cost 2): imbalance 16 / 9 = 1.78. The compute plan's order is ``[1, 3, 0, 2]``:
+each rank runs a 1-cost row, then an 8-cost row (cost 9 each, imbalance 1.0). Packing efficiency
+does not change: the rows are the same.
 
-Besides re-dealing the token plan's global batches, `compute_order` tries global batches formed by
-`stratify` (random *layers* of ``dp_size`` rows of about the same cost, one row of each per rank)
-and keeps whichever candidate is more balanced.
 Measured here on the OpenChat V1 lengths (capacity 2,048, BFD, 4,673 rows), dp 8, M 4, with the
 Llama-3-8B cost (`cost.py`): imbalance 1.0090 (token plan) -> 1.0001; with ``b`` alone
-(``sum(len^2)``): 1.136 -> 1.0005; 20 ms to plan the epoch with one row per micro-batch
-(`layers.deal_layers`, vectorized), 0.2 s with two (per-batch Python).
+(``sum(len^2)``): 1.136 -> 1.0005, and 1.111 -> 1.0003 with two rows per micro-batch; 6-30 ms
+to plan the epoch.
 
 Imbalance (torchtitan #3938): the mean over global batches of ``max rank cost / mean rank cost``.
 """
@@ -45,8 +48,19 @@ from __future__ import annotations
 
 import numpy as np
 
-BALANCE_MODES = ("token", "compute")
-"""Names accepted by ``balance=``: "token" keeps the shuffled order, "compute" balances it."""
+from megapack.packing.names import BALANCE_MODES
+
+__all__ = [
+    "BALANCE_MODES",  # defined in megapack.packing.names, the one home of choice lists
+    "balance_order",
+    "check_balance",
+    "compute_order",
+    "imbalance",
+    "order_rows",
+    "partition",
+    "pipeline_order",
+    "rank_costs",
+]
 
 _MAX_SWAPS = 1_000
 """Safety cap on the swap refinement of one partition (each swap strictly lowers the sorted loads)."""
@@ -246,7 +260,10 @@ def _within_rank(
 def pipeline_order(costs: np.ndarray) -> np.ndarray:
     """Indices that put micro-batch costs (last axis) in pipeline order (module docstring).
 
-    The cheapest first, the second cheapest last, the others from most to least expensive.
+    The cheapest first, the second cheapest last, the others from most to least expensive. In an
+    event simulation of the 1F1B schedule (backward = 2 x forward, 2-4 stages, 3-6 micro-batches,
+    lognormal(0, 0.5) costs, 300 cases) this order's step time was 2.5% above the best of all
+    orders on average, against 6% for sorted orders (either way) and 12% for a random one.
 
     Example:
         >>> pipeline_order(np.array([5.0, 1, 3, 2, 4])).tolist()  # costs 1, 5, 4, 3, 2
@@ -271,8 +288,8 @@ def compute_order(
     """The compute plan for a token-plan ``order``: balanced global batches, balanced ranks.
 
     Two candidates: (2) `layers.stratify`, global batches made of layers of ``dp_size``
-    similar rows, then dealt (`layers.deal_layers`, vectorized, for one row per micro-batch;
-    `balance_order` otherwise), kept if it is at least as balanced as the token plan; otherwise
+    similar rows, then dealt (`layers.deal_layers`, vectorized), kept if it is at least as
+    balanced as the token plan; otherwise
     the better of it and (1) `balance_order` of ``order`` itself (the same global batches, each
     no worse than in the token plan). Either way never less balanced than the token plan.
 
@@ -291,10 +308,7 @@ def compute_order(
     from megapack.packing.layers import deal_layers, stratify
 
     layered = stratify(order, row_costs, dp_size, np.random.default_rng(seed))
-    if rows_per_micro_batch == 1:
-        layered = deal_layers(layered, row_costs, dp_size=dp_size, micro_batches=micro_batches)
-    else:
-        layered = balance_order(layered, row_costs, **layout)
+    layered = deal_layers(layered, row_costs, **layout)
     if imbalance(layered, row_costs, **layout) <= imbalance(order, row_costs, **layout):
         return layered  # (1) can only do better than the token plan; skip computing it
     same_batches = balance_order(order, row_costs, **layout)

@@ -30,6 +30,7 @@ import numpy as np
 
 from megapack.packing.balance import check_balance, imbalance, order_rows
 from megapack.packing.cost import CostModel
+from megapack.packing.names import BALANCE_MODES
 from megapack.packing.plan import plan
 
 
@@ -63,7 +64,7 @@ def compare_plans(
     result: dict[str, Any] = {**layout, "cost_a": cost.a, "cost_b": cost.b}
     per_batch = dp_size * micro_batches * rows_per_micro_batch
     padded_rows = -(-packed.num_bins // per_batch) * per_batch
-    for mode in ("token", "compute"):
+    for mode in BALANCE_MODES:
         start = time.perf_counter()
         order = order_rows(
             costs, balance=mode, dp_size=dp_size, micro_batches=micro_batches,

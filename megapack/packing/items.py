@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-LONG_DOC_POLICIES = ("split", "truncate", "drop", "error")
+from megapack.packing.names import LONG_DOC_POLICIES
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,13 +106,17 @@ def as_lengths(lengths: Sequence[int] | np.ndarray, *, name: str = "lengths") ->
     return out
 
 
-def make_items(lengths: np.ndarray, capacity: int, long_docs: str) -> Items:
+def make_items(
+    lengths: np.ndarray, capacity: int, long_docs: str, *, first: int = 0, where: str = ""
+) -> Items:
     """Turn validated lengths into items under a long-document policy (see the module docstring).
 
     Args:
         lengths: 1-D int64 array of positive lengths (from `as_lengths`).
         capacity: bin capacity in tokens, positive.
         long_docs: one of ``LONG_DOC_POLICIES``.
+        first, where: how errors name document ``i``: ``f"document {first + i}{where}"`` (the
+            streaming packer passes its stream position and ``" of the stream"``).
 
     Returns:
         The items, ordered by document then position, with the loss counters filled in.
@@ -138,7 +142,7 @@ def make_items(lengths: np.ndarray, capacity: int, long_docs: str) -> Items:
     if long_docs == "error":
         i = int(np.flatnonzero(long)[0])
         raise ValueError(
-            f"document {i} has {int(lengths[i])} tokens, more than capacity={capacity} "
+            f"document {first + i}{where} has {int(lengths[i])} tokens, more than capacity={capacity} "
             f"({n_long} document(s) are too long); use long_docs='split', 'truncate' or 'drop'"
         )
     if long_docs == "drop":

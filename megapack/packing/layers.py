@@ -2,10 +2,10 @@
 
 `stratify` sorts the rows by cost, cuts them into layers of ``dp_size`` consecutive rows and
 shuffles the layers (seeded), so each global batch of ``M`` micro-batches per rank holds ``M``
-random layers. `deal_layers` then deals every full global batch at once with numpy (one row per
-micro-batch): layers in decreasing cost, each layer's costliest row to the rank with the lowest
-load so far (longest-processing-time first, one layer at a time, so every rank gets exactly ``M``
-rows), then the pairwise swaps of `balance.partition` on the few batches still above
+random layers. `deal_layers` then deals every full global batch at once with numpy: layers in
+decreasing cost, each layer's costliest row to the rank with the lowest
+load so far (longest-processing-time first, one layer at a time, so every rank gets exactly
+``M * R`` rows), then the pairwise swaps of `balance.partition` on the few batches still above
 ``REFINE_ABOVE``, then each rank's micro-batches in pipeline order (balance.py).
 
 Worked example, costs ``[9, 7, 5, 4, 3, 2]`` in layers of dp 2 (``{9, 7}``, ``{5, 4}``,
@@ -57,30 +57,40 @@ def stratify(
 
 
 def deal_layers(
-    order: np.ndarray, row_costs: np.ndarray, *, dp_size: int, micro_batches: int
+    order: np.ndarray,
+    row_costs: np.ndarray,
+    *,
+    dp_size: int,
+    micro_batches: int,
+    rows_per_micro_batch: int = 1,
 ) -> np.ndarray:
-    """Deal a `stratify` order (one row per micro-batch) so every rank's step costs about the same.
+    """Deal a `stratify` order so every rank's step costs about the same (module docstring).
+
+    With ``R = rows_per_micro_batch`` above 1 a rank's ``M * R`` rows are grouped into its ``M``
+    micro-batches in a snake over their costs (the costliest row to micro-batch 0, the next to 1,
+    ..., back from ``M - 1`` on the next pass), then put in pipeline order.
 
     Args:
         order: [N] rows in layer order, ``-1`` fillers at the end.
         row_costs: [rows] cost of every row.
-        dp_size, micro_batches: the layout (balance.py), ``rows_per_micro_batch`` 1.
+        dp_size, micro_batches, rows_per_micro_batch: the layout (balance.py).
 
     Returns:
         [N] the dealt order; a last, partial global batch goes through `balance.balance_order`.
     """
     order = np.asarray(order, dtype=np.int64)
     costs = np.asarray(row_costs, dtype=np.float64)
-    dp, m = dp_size, micro_batches
-    per_batch = dp * m
+    dp, m, r = dp_size, micro_batches, rows_per_micro_batch
+    slots = m * r  # rows per rank per step: one per layer
+    per_batch = dp * slots
     full = int((order >= 0).sum()) // per_batch
     out = order.copy()
     if full:
-        rows = order[: full * per_batch].reshape(full, m, dp)  # [batch, layer, row]
+        rows = order[: full * per_batch].reshape(full, slots, dp)  # [batch, layer, row]
         c = costs[rows]
         g = np.arange(full)
         loads = np.zeros((full, dp))
-        rank = np.empty((full, m, dp), dtype=np.int64)
+        rank = np.empty((full, slots, dp), dtype=np.int64)
         for layer in np.argsort(-c.max(axis=2), axis=1, kind="stable").T:  # costliest layers first
             lc = c[g, layer]  # [batch, dp]
             by_cost = np.argsort(-lc, axis=1, kind="stable")
@@ -90,15 +100,28 @@ def deal_layers(
             rank[g, layer] = dealt
             loads[g[:, None], by_load] += np.take_along_axis(lc, by_cost, axis=1)
         flat_rank, flat_cost = rank.reshape(full, per_batch), c.reshape(full, per_batch)
-        for b in np.flatnonzero(loads.max(axis=1) > REFINE_ABOVE * loads.mean(axis=1)):
+        worse = loads.max(axis=1) > REFINE_ABOVE * loads.mean(axis=1)
+        for b in np.flatnonzero(worse) if slots > 1 else []:  # one row per rank: no swap helps
             _refine(flat_cost[b], flat_rank[b], dp)
-        keys = np.argsort(flat_rank, axis=1, kind="stable")  # each rank's m rows, together
-        mine = np.take_along_axis(rows.reshape(full, per_batch), keys, axis=1).reshape(full, dp, m)
-        mine = np.take_along_axis(mine, pipeline_order(costs[mine]), axis=2)
-        out[: full * per_batch] = mine.transpose(0, 2, 1).reshape(
+        keys = np.argsort(flat_rank, axis=1, kind="stable")  # each rank's rows, together
+        mine = np.take_along_axis(rows.reshape(full, per_batch), keys, axis=1)
+        mine = mine.reshape(full, dp, slots)
+        if r > 1:  # snake the rank's rows, costliest first, over its m micro-batches
+            mine = np.take_along_axis(mine, np.argsort(-costs[mine], axis=2, kind="stable"), 2)
+            passes = np.arange(r)[None, :] * m
+            snake = np.where(
+                np.arange(r) % 2 == 0, np.arange(m)[:, None], m - 1 - np.arange(m)[:, None]
+            )
+            mine = mine[:, :, (passes + snake).reshape(-1)]  # [.., micro-batch 0's r rows, 1's, ..]
+        micro = mine.reshape(full, dp, m, r)
+        pp = pipeline_order(costs[micro].sum(axis=3))  # [full, dp, m]
+        micro = np.take_along_axis(micro, pp[..., None], axis=2)
+        out[: full * per_batch] = micro.transpose(0, 2, 1, 3).reshape(
             -1
-        )  # micro-batch j -> rank j % dp
+        )  # micro-batch j: rank j % dp
     rest = order[full * per_batch :]
     if len(rest):
-        out[full * per_batch :] = balance_order(rest, costs, dp_size=dp, micro_batches=m)
+        out[full * per_batch :] = balance_order(
+            rest, costs, dp_size=dp, micro_batches=m, rows_per_micro_batch=r
+        )
     return out

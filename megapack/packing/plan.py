@@ -40,11 +40,11 @@ from megapack.packing.bfd import best_fit_decreasing
 from megapack.packing.bounds import lower_bound
 from megapack.packing.cost import CostModel
 from megapack.packing.fit import first_fit, first_fit_decreasing, next_fit
-from megapack.packing.items import LONG_DOC_POLICIES, Items, as_lengths, make_items
+from megapack.packing.items import Items, as_lengths, make_items
+from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
 from megapack.packing.pack_plan import PackPlan
 from megapack.packing.search import DEFAULT_MAX_STEPS, improve
 
-ALGORITHMS = ("bfd", "ffd", "first_fit", "next_fit", "best")
 """Names accepted by ``plan(algorithm=...)``."""
 
 _GREEDY: dict[str, Callable[[np.ndarray, int], np.ndarray]] = {

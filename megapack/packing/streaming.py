@@ -53,8 +53,9 @@ import numpy as np
 
 from megapack.packing.balance import BALANCE_MODES, check_balance, compute_order
 from megapack.packing.cost import CostModel
-from megapack.packing.items import LONG_DOC_POLICIES
-from megapack.packing.plan import ALGORITHMS, plan
+from megapack.packing.items import make_items
+from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
+from megapack.packing.plan import plan
 
 EMIT_FILL = 0.99
 """Bins at least this full are emitted at once."""
@@ -225,24 +226,20 @@ class StreamingPacker:
                 f"document {index} of the stream has {length} tokens; filter empty documents first"
             )
         self.consumed += 1
-        c = self.capacity
-        if length > c:
-            if self.long_docs == "error":
-                raise ValueError(
-                    f"document {index} of the stream has {length} tokens, more than capacity={c}; "
-                    "use long_docs='split', 'truncate' or 'drop'"
-                )
-            if self.long_docs == "drop":
-                self.stats["dropped_docs"] += 1
-                self.stats["dropped_tokens"] += length
-                return
-            if self.long_docs == "truncate":
-                self.stats["truncated_tokens"] += length - c
-                length = c
-            else:
-                self.stats["split_docs"] += 1
-        for start in range(0, length, c):
-            self._buffer.append((Piece(index, start, min(start + c, length), doc), self.rounds))
+        if length <= self.capacity:
+            self._buffer.append((Piece(index, 0, length, doc), self.rounds))
+            return
+        # The long-document policy lives in make_items (plan() uses it too).
+        items = make_items(
+            np.array([length], dtype=np.int64), self.capacity, self.long_docs,
+            first=index, where=" of the stream",
+        )  # fmt: skip
+        self.stats["split_docs"] += items.num_split_docs
+        self.stats["truncated_tokens"] += items.truncated_tokens
+        self.stats["dropped_docs"] += items.num_dropped_docs
+        self.stats["dropped_tokens"] += items.dropped_tokens
+        for start, stop in zip(items.start.tolist(), items.stop.tolist(), strict=True):
+            self._buffer.append((Piece(index, start, stop, doc), self.rounds))
 
     def _plan_round(self, *, final: bool) -> None:
         pieces = [p for p, _ in self._buffer]

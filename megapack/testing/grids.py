@@ -1,9 +1,7 @@
 """The tp x pp (x cp) grids megapack is tested on; `grid_topology` (from `megapack.grid`) builds them.
 
 Rank order follows Megatron's default (tensor-parallel fastest, then context-parallel, then
-pipeline): rank = (pp_rank * cp + cp_rank) * tp + tp_rank. On tp=2 x pp=2, global ranks (0, 1)
-form stage 0's TP group and (2, 3) stage 1's; on tp=2 x cp=2 x pp=2, ranks (0, 1) and (2, 3) are
-stage 0's two CP ranks' TP groups, and (0, 2), (1, 3) its CP groups.
+pipeline): rank = (pp_rank * cp + cp_rank) * tp + tp_rank (see `megapack.grid`).
 """
 
 from __future__ import annotations
@@ -11,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megapack.grid import grid_topology
+
+__all__ = ["CP_GRIDS", "GRIDS", "Grid", "grid_topology"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,5 +44,3 @@ CP_GRIDS: tuple[Grid, ...] = (
     Grid(1, 1, 4),
     Grid(1, 3, 2),
 )
-
-__all__ = ["CP_GRIDS", "GRIDS", "Grid", "grid_topology"]

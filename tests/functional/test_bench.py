@@ -27,18 +27,37 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    for title in ("## Transfer", "## Throughput", "## Packing", "megatron-core", "commit"):
+    for title in (
+        "## Transfer",
+        "## Throughput",
+        "## Packing",
+        "## Pack:",
+        "megatron-core",
+        "commit",
+    ):
         assert title in done.stdout
     data = json.loads(out.read_text())
-    assert {"env", "transfer", "throughput", "packing"} <= set(data)
+    assert {"env", "transfer", "throughput", "packing", "pack"} <= set(data)
+    small, large = data["pack"]
+    assert large["documents"] == 10 * small["documents"] and large["tokens"] > 5 * small["tokens"]
+    for r in data["pack"]:
+        assert r["bare_s"] > 0 and r["pack_s"] > 0 and r["pack_peak_mib"] > 0
+        assert r["ratio"] == pytest.approx(r["pack_s"] / r["bare_s"]) and r["verdict"] in (
+            "ok",
+            "SLOW",
+        )
     assert {(r["tp"], r["seq_len"]) for r in data["transfer"]} == {(2, 4096), (4, 4096)}
     for r in data["transfer"]:
         timed = ("megapack_ms", "per_tensor_ms", "bare_megatron_ms", "bare_payload_ms")
         assert all(r[k] > 0 for k in (*timed, "prefetch_step_ms", "compute_ms")), r
         assert r["prefetch_blocked_ms"] >= 0 and r["prefetch_step_ms"] >= r["compute_ms"], r
         stages = r["bytes_per_stage"]
-        assert set(stages) == {"only", "first", "middle", "last"}, stages
+        assert set(stages) == {"only", "first", "middle", "last", "mtp"}, stages
+        assert stages["mtp"] == stages["only"], stages  # MTP layers need both ends' fields
         assert stages["middle"] < min(stages["first"], stages["last"]) <= stages["only"], stages
+        assert stages["last"] < stages["mtp"], (
+            stages
+        )  # MTP layers on the last stage embed tokens too
         assert r["payload_bytes"] == stages["only"] and r["megatron_bytes"] > 0
     assert "megapack / bare Megatron" in done.stdout and "Bytes per micro-batch" in done.stdout
     modes = {(r["dataset"], r["mode"]) for r in data["throughput"]}

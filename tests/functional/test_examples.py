@@ -59,3 +59,11 @@ def test_pretrain_example_trains(mode: str) -> None:
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 3 and losses[-1] < losses[0], out
     assert len(re.findall(r"real tokens/s", out)) == 3
+
+
+def test_pretrain_example_trains_with_context_parallelism() -> None:
+    out = torchrun(2, "pretrain_gpt_packed.py", "--cp", "2", "--cp-layout", "document",
+                   "--steps", "3", "--docs", "12", "--seq-len", "128")  # fmt: skip
+    assert out.startswith("packed: tp=1 pp=1 cp=2")
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+    assert len(losses) == 3 and losses[-1] < losses[0], out

@@ -14,8 +14,9 @@ The documents include 1-token, odd-length and shorter-than-2*cp ones; for the "d
 every document is padded to a multiple of 8 (``pad_to_multiple_of``, = 2*cp for cp 4), for "row"
 only the row length (48) divides by 2*cp.
 
-Batches: each rank reads the whole micro-batch and keeps its CP share (`megapack.cp.cp_indices`),
-building ``packed_seq_params`` with the whole row's boundaries and ``cp_group``.
+Batches go through `megapack.get_batch_on_this_tp_rank` (`megapack.models.forward_step`): each CP
+rank's TP source reads the whole micro-batch and sends its TP peers only its CP share, with the whole
+row's boundaries and ``cp_group`` in ``packed_seq_params``.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import numpy as np
 import pytest
 import torch
 
-from megapack.batch import PackedBatch, make_packed_seq_params
+from megapack.batch import PackedBatch
 from megapack.cp import cp_indices
-from megapack.models import TinyGPT, init_weights, masked_mean_loss
+from megapack.models import TinyGPT, forward_step, init_weights
 from megapack.testing.gpt import padded_micro_batch
 
 pytestmark = pytest.mark.distributed
@@ -61,25 +62,6 @@ def packed(rows: list[list[list[int]]], layout: str) -> PackedBatch:
     )
 
 
-def cp_forward_step(topology: Any, layout: str, data_iterator: Any, model: Any) -> Any:
-    """Every rank reads the whole micro-batch and keeps its CP share of every token field."""
-    batch = next(data_iterator)
-    cp, rank = topology.cp_size, topology.cp_rank
-    if isinstance(batch, PackedBatch):
-        cu_buffer = batch.cu_seqlens if batch.cu_seqlens_padded is None else batch.cu_seqlens_padded
-        mine = cp_indices(cu_buffer, cp, rank, layout=layout)
-        params = make_packed_seq_params(batch.cu_seqlens, batch.cu_seqlens_padded, batch.max_seqlen)
-        params.cp_group = topology.cp_group
-        fields = {k: getattr(batch, k)[:, mine] for k in ("tokens", "labels", "loss_mask", "position_ids")}  # fmt: skip
-    else:
-        mine = cp_indices([0, batch["tokens"].shape[1]], cp, rank, layout="row")
-        params, fields = None, {k: v[:, mine] for k, v in batch.items()}
-    output = model(fields["tokens"], fields["position_ids"], None, labels=fields["labels"],
-                   packed_seq_params=params)  # fmt: skip
-    group = topology.cp_group if cp > 1 else None
-    return output, functools.partial(masked_mean_loss, fields["loss_mask"], cp_group=group)
-
-
 def run(tp: int, pp: int, cp: int, *, layout: str, mode: str, steps: int, change: bool = False) -> dict[str, Any]:  # fmt: skip
     """On every rank: build the model on a tp x pp x cp grid and run ``steps`` schedule calls."""
     import torch.distributed as dist
@@ -96,7 +78,7 @@ def run(tp: int, pp: int, cp: int, *, layout: str, mode: str, steps: int, change
     model_parallel_cuda_manual_seed(1234)
     model = dataclasses.replace(GPT, cp_layout=layout).build()
     init_weights(model, seed=7)
-    topology = Topology.from_parallel_state()
+    topology = Topology.from_parallel_state(cp_layout=layout)  # type: ignore[arg-type]
     docs = documents(change=change)
     if mode == "packed":
         micro: list[Any] = [packed(rows, layout) for rows in docs]
@@ -110,8 +92,8 @@ def run(tp: int, pp: int, cp: int, *, layout: str, mode: str, steps: int, change
     for _ in range(steps):
         optimizer.zero_grad()
         reduced = schedule(
-            forward_step_func=functools.partial(cp_forward_step, topology, layout),
-            data_iterator=iter(micro), model=[model], num_microbatches=len(micro),
+            forward_step_func=functools.partial(forward_step, topology),
+            data_iterator=iter(micro) if topology.is_source else None, model=[model], num_microbatches=len(micro),
             seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=steps == 1,
         )  # fmt: skip
         if steps > 1:

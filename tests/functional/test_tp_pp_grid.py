@@ -189,6 +189,7 @@ def run_stream(tp: int, pp: int, mbs: int, use_megatron: bool) -> dict[str, Any]
             per_call.append(counts["n"] - before)
             break
         per_call.append(counts["n"] - before)
+    dist.barrier()  # leave together: a rank tearing down early breaks a peer still connecting
     return {
         "stage": mine.stage.value,
         "tp_rank": mine.tp_rank,

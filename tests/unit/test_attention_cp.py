@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megapack.attention import PackedAttention
-from megapack.attention_cp import CpPlan, row_positions
+from megapack.attention_cp import CpPlan, plan_for, row_positions
 from megapack.batch import make_packed_seq_params
 from megapack.cp import cp_indices
 
@@ -185,3 +185,27 @@ def test_cp_padded_batches_match_the_whole_sequence(dist_pool: Any, with_mask: b
     for rank, pairs in enumerate(dist_pool.run(functools.partial(sbhd_case, with_mask), 2, timeout=120)):  # fmt: skip
         for i, (a, b) in enumerate(pairs):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"rank {rank} tensor {i}")
+
+
+def test_plan_rejects_a_document_the_document_layout_cannot_split() -> None:
+    with pytest.raises(
+        ValueError, match=r"document 0 spans 5 positions, not a multiple of 2\*cp=4"
+    ):
+        CpPlan.build(torch.tensor([0, 5, 8]), torch.tensor([0, 5, 8]), cp_size=2, cp_rank=1,
+                     layout="document", local_total=4)  # fmt: skip
+    plan = CpPlan.build(torch.tensor([0, 5, 8]), torch.tensor([0, 5, 8]), cp_size=2, cp_rank=1,
+                        layout="row", local_total=4)  # fmt: skip
+    assert plan.positions.tolist() == [2, 3, 4, 5]  # the row layout needs no per-document padding
+    assert allowed_pairs(plan) == brute_pairs([0, 5, 8], [0, 5, 8], [2, 3, 4, 5])
+
+
+def test_plan_is_built_once_per_packed_seq_params() -> None:
+    cu = torch.tensor([0, 3, 8])
+    params = SimpleNamespace()
+    kwargs: Any = {"cp_size": 2, "cp_rank": 0, "layout": "row", "local_total": 4}
+    first = plan_for(params, cu, cu, **kwargs)
+    assert plan_for(params, cu, cu, **kwargs) is first  # every later layer of the micro-batch
+    assert plan_for(params, cu, cu, **{**kwargs, "cp_rank": 1}).positions.tolist() == [2, 3, 4, 5]
+    other = torch.tensor([0, 4, 8])  # new boundaries on the same object: rebuilt, not reused
+    assert plan_for(params, other, other, **kwargs).k_index.tolist() == [0, 1, 4, 5, 6, 7]
+    assert plan_for(SimpleNamespace(), cu, cu, **kwargs) is not first

@@ -219,7 +219,7 @@ def test_idempotent_and_global_torch_untouched(dist_pool: Any) -> None:
     (r,) = dist_pool.run(idempotence, 1, timeout=120)
     assert r["returns"] == (True, True)
     assert r["same_objects"] and r["applied_unchanged"]
-    assert r["n_applied"] == len(megatron_cpu._patch_table()) == 8
+    assert r["n_applied"] == len(megatron_cpu._patch_table()) == 9
     assert (r["view_device"], r["view_zeros_device"]) == ("cpu", "cpu")
     assert r["p2p_shares_view"] and r["view_is_not_torch"]
     assert r["global_cuda_raises"] == [True, True]  # global torch still has no CUDA
@@ -260,3 +260,13 @@ def test_gpt_model_trains_on_tp2_pp2(dist_pool: Any) -> None:
     assert second < first - 1e-3, f"loss did not fall: {losses}"
     # Megatron's own causal mask (attention_mask=None) must give the very same run.
     assert without_mask[2]["losses"] == losses
+
+
+def test_rope_table_share_of_a_cp_rank_is_its_zigzag_chunks() -> None:
+    from types import SimpleNamespace
+
+    table = torch.arange(16.0).view(16, 1, 1, 1)
+    for rank, want in [(0, [0, 1, 2, 3, 12, 13, 14, 15]), (1, [4, 5, 6, 7, 8, 9, 10, 11])]:
+        group = SimpleNamespace(size=lambda: 2, rank=lambda r=rank: r)
+        got = megatron_cpu._pos_emb_on_this_cp_rank(table, 0, group)
+        assert got.flatten().tolist() == want

@@ -98,6 +98,14 @@ def test_balance_plans_keep_the_invariants_and_never_lose_to_the_token_plan(case
         p.validate()  # no row over the cap, no empty row
         # the same rows, each exactly once: each document's tokens exactly once
         assert Counter(map(tuple, p.bins)) == Counter(map(tuple, base.bins))
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for doc, start, stop in p.slices.tolist():
+            spans.setdefault(doc, []).append((start, stop))
+        assert sorted(spans) == list(range(len(lengths)))
+        for doc, pieces in spans.items():
+            pieces.sort()
+            assert pieces[0][0] == 0 and pieces[-1][1] == lengths[doc]
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
         assert p.efficiency == base.efficiency
     layout = {k: case[k] for k in ("dp_size", "micro_batches", "rows_per_micro_batch")}
     cost = case["cost"]
@@ -167,34 +175,42 @@ def test_balance_stratify_builds_layers_of_similar_rows() -> None:
     assert again.tolist() == out.tolist()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     costs=st.lists(st.floats(0, 100), min_size=1, max_size=60),
     dp=st.integers(1, 5),
     m=st.integers(1, 4),
+    r=st.integers(1, 3),
 )
 def test_balance_deal_layers_matches_the_per_batch_deal(
-    costs: list[float], dp: int, m: int
+    costs: list[float], dp: int, m: int, r: int
 ) -> None:
     values = np.array(costs)
     layered = stratify(np.arange(len(values)), values, dp, np.random.default_rng(0))
-    fast = deal_layers(layered, values, dp_size=dp, micro_batches=m)
-    slow = balance_order(layered, values, dp_size=dp, micro_batches=m)
+    layout = {"dp_size": dp, "micro_batches": m, "rows_per_micro_batch": r}
+    fast = deal_layers(layered, values, **layout)
+    slow = balance_order(layered, values, **layout)
     assert sorted(fast.tolist()) == list(range(len(values)))
-    per_batch = dp * m
+    per_batch = dp * m * r
     for lo in range(0, len(values), per_batch):  # the same rows in every global batch
         assert sorted(fast[lo : lo + per_batch]) == sorted(layered[lo : lo + per_batch])
-    layout = {"dp_size": dp, "micro_batches": m}
     fast_max = rank_costs(fast, values, **layout).max(axis=1)
     slow_max = rank_costs(slow, values, **layout).max(axis=1)
     # the layer deal (then swaps) is as good as LPT + swaps within 4/3 and usually equal
     assert (fast_max <= slow_max * 4 / 3 + 1e-9).all()
     # every rank's micro-batches in pipeline order
-    steps = values[fast[: len(values) // per_batch * per_batch]].reshape(-1, m, dp)
+    full = len(values) // per_batch * per_batch
+    steps = values[fast[:full]].reshape(-1, m, dp, r).sum(axis=3)
     for step in steps:
-        for r in range(dp):
-            mine = step[:, r]
+        for rank in range(dp):
+            mine = step[:, rank]
             assert mine.tolist() == mine[pipeline_order(mine)].tolist()
+
+
+def test_balance_deal_layers_snakes_rows_into_micro_batches() -> None:
+    costs = np.arange(16, dtype=float)[::-1]  # 15 .. 0
+    order = deal_layers(np.arange(16), costs, dp_size=2, micro_batches=2, rows_per_micro_batch=4)
+    assert costs[order].reshape(4, 4).sum(axis=1).tolist() == [30.0] * 4  # every micro-batch
 
 
 def test_balance_compute_order_improves_a_long_tail() -> None:

@@ -1,0 +1,181 @@
+"""Bench section ``pack``: ``megapack pack`` of a JSONL file against bare tokenization of the same file.
+
+Tokenizing is the limit of a pack, so the reference is the least any packer must do: read the file,
+``json.loads`` every line and ``encode_batch`` the texts (batches of 512, the Rust tokenizer on all
+cores), keeping nothing. ``megapack pack`` does that plus documents, masks, the memmapped output,
+the plan and the files. Both run in fresh subprocesses, one after the other, on the same file and
+the same byte-level BPE tokenizer trained here (8,000 tokens, on a sample of the corpus; no
+download), each timed from just before its work (imports done) to the end, and each reporting its
+peak RSS (``ru_maxrss``).
+
+Two inputs 10x apart show what memory grows with: a pack's peak RSS must not grow with the corpus's
+tokens (only its documents, 8-24 bytes each), so the 10x input's peak stays close to the small one's
+while its tokens (8 bytes each) would add tens of MB. Targets: pack time <= 1.25x bare, and peak
+RSS growth well under the token array's size.
+
+The corpus: lines ``{"text": ...}`` of 40-400 pseudo-words drawn with Zipf frequencies from a
+fixed word list, deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TARGET_RATIO = 1.25
+SYLLABLES = ("ka", "lo", "mi", "ne", "sa", "tu", "ri", "po", "the", "and", "ing", "er", "on", "st")
+
+BARE = """
+import json, resource, sys, time
+from tokenizers import Tokenizer
+tok = Tokenizer.from_file(sys.argv[2])
+start = time.perf_counter()
+tokens = 0
+def flush(batch):
+    global tokens
+    for e in tok.encode_batch(batch, add_special_tokens=False):
+        tokens += len(e.ids)
+with open(sys.argv[1], "rb") as f:
+    batch = []
+    for line in f:
+        batch.append(json.loads(line)["text"])
+        if len(batch) == 512:
+            flush(batch); batch = []
+    flush(batch)
+print(json.dumps({"seconds": time.perf_counter() - start, "tokens": tokens,
+                  "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+PACK = """
+import json, resource, sys, time, io, contextlib
+import megapack.cli, megapack.data, megapack.data.pack_writer, megapack.packing, tokenizers
+start = time.perf_counter()
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    code = megapack.cli.main(["pack", sys.argv[1], "--seq-len", "4096", "--tokenizer", sys.argv[2],
+                              "--out", sys.argv[3]])
+seconds = time.perf_counter() - start
+meta = json.load(open(sys.argv[3] + "/meta.json"))
+print(json.dumps({"seconds": seconds, "code": code, "documents": meta["documents"],
+                  "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def make_corpus(path: Path, documents: int, seed: int = 0) -> int:
+    """Write ``documents`` JSONL text lines; returns the file size in bytes."""
+    rng = np.random.default_rng(seed)
+    words = np.array(
+        ["".join(rng.choice(SYLLABLES, size=int(rng.integers(1, 4)))) for _ in range(3000)]
+    )
+    weights = 1.0 / np.arange(1, len(words) + 1)
+    weights /= weights.sum()
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(documents):
+            text = " ".join(rng.choice(words, size=int(rng.integers(40, 400)), p=weights))
+            f.write(json.dumps({"text": text}) + "\n")
+    return path.stat().st_size
+
+
+def train_tokenizer(corpus: Path, folder: Path) -> Path:
+    """A byte-level BPE tokenizer (8,000 tokens) trained on the first 2,000 lines."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    lines = []
+    with open(corpus, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if i == 2000:
+                break
+            lines.append(json.loads(line)["text"])
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=8000,
+        special_tokens=["<pad>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(lines, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+def _run(script: str, *args: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"bench subprocess failed ({done.returncode}): {done.stderr[-2000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def run_pack(sizes: list[int], repeats: int = 1) -> list[dict[str, Any]]:
+    """One row per corpus size (documents): bare and pack times, MB/s, peak RSS, ratio, verdict."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="megapack-bench-pack-") as tmp:
+        root = Path(tmp)
+        tokenizer: Path | None = None
+        for documents in sizes:
+            corpus = root / f"corpus-{documents}.jsonl"
+            size = make_corpus(corpus, documents)
+            if tokenizer is None:
+                tokenizer = train_tokenizer(corpus, root / "tokenizer")
+            bare, pack = [], []
+            for r in range(repeats):  # alternate, so drift hits both alike
+                bare.append(_run(BARE, str(corpus), str(tokenizer)))
+                pack.append(
+                    _run(PACK, str(corpus), str(tokenizer), str(root / f"out-{documents}-{r}"))
+                )
+            b = sorted(bare, key=lambda x: x["seconds"])[len(bare) // 2]
+            p = sorted(pack, key=lambda x: x["seconds"])[len(pack) // 2]
+            rows.append({
+                "documents": documents, "input_mb": size / 1e6, "tokens": b["tokens"],
+                "bare_s": b["seconds"], "pack_s": p["seconds"], "ratio": p["seconds"] / b["seconds"],
+                "bare_mb_s": size / 1e6 / b["seconds"], "pack_mb_s": size / 1e6 / p["seconds"],
+                "bare_peak_mib": b["peak_mib"], "pack_peak_mib": p["peak_mib"],
+                "token_array_mib": b["tokens"] * 8 / 2**20,
+            })  # fmt: skip
+    for row in rows:
+        row["verdict"] = "ok" if row["ratio"] <= TARGET_RATIO else "SLOW"
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The section's table and its memory verdict."""
+    head = (
+        "## Pack: `megapack pack` vs bare read + json + encode_batch (same JSONL, BPE tokenizer)\n\n"
+        f"| documents | input MB | tokens | bare s | pack s | pack / bare (target <= {TARGET_RATIO}) "
+        "| bare MB/s | pack MB/s | bare peak MiB | pack peak MiB | token array MiB | verdict |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    )
+    body = "".join(
+        f"| {r['documents']:,} | {r['input_mb']:.1f} | {r['tokens']:,} | {r['bare_s']:.2f} | "
+        f"{r['pack_s']:.2f} | {r['ratio']:.2f} | {r['bare_mb_s']:.1f} | {r['pack_mb_s']:.1f} | "
+        f"{r['bare_peak_mib']:.0f} | {r['pack_peak_mib']:.0f} | {r['token_array_mib']:.0f} | "
+        f"{r['verdict']} |\n"
+        for r in rows
+    )
+    if len(rows) >= 2:
+        small, large = rows[0], rows[-1]
+        growth = large["pack_peak_mib"] - small["pack_peak_mib"]
+        tokens = large["token_array_mib"] - small["token_array_mib"]
+        verdict = "ok" if growth < 0.25 * tokens else "GROWS WITH TOKENS"
+        body += (
+            f"\npeak RSS of pack grew {growth:.0f} MiB for {large['documents'] / small['documents']:.0f}x "
+            f"the input, whose extra token ids alone take {tokens:.0f} MiB: {verdict}\n"
+        )
+    return head + body
+
+
+if __name__ == "__main__":  # python -m megapack.bench.pack [documents ...]
+    started = time.perf_counter()
+    result = run_pack([int(a) for a in sys.argv[1:]] or [2000, 20000])
+    print(markdown(result))
+    print(f"({time.perf_counter() - started:.0f} s)")

@@ -1,0 +1,95 @@
+"""`check_layout` and `plan_layout`: the row layout `PackedDataset` and `PackWriter` both write.
+
+One implementation for both, so the in-memory dataset and the streamed ``megapack pack`` cannot
+drift apart (same arrays, same ``meta.json``):
+
+* `check_layout` validates ``seq_len`` against the padding multiple, lcm(pad_to_multiple_of,
+  2 * cp_size) (`megapack.cp.cp_pad_multiple`), and the long-document policy;
+* `plan_layout` plans rows from the documents' lengths alone, on their *aligned* lengths
+  (``ceil(len / multiple) * multiple``, so alignment padding never overflows a row), and returns
+  the ``doc_offsets``, ``slices`` (doc, start, stop; padding holds no tokens) and ``bin_offsets``
+  arrays with the directory's meta.
+
+Worked example: lengths ``[3, 5]``, seq_len 8, multiple 2: aligned ``[4, 6]`` -> two rows;
+``doc_offsets [0, 3, 8]``, ``slices [[1, 0, 5], [0, 0, 3]]`` (order as the plan gives it),
+``padding_tokens`` 2, efficiency 8 / 16.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from megapack.packing.names import LONG_DOC_POLICIES
+
+FORMAT_VERSION = 1
+"""Version of the packed directory (``meta.json``'s "version")."""
+
+
+def check_layout(seq_len: int, pad_to_multiple_of: int, cp_size: int, long_docs: str) -> int:
+    """Validate the settings; returns the padding multiple (lcm with 2 * cp_size).
+
+    Raises:
+        ValueError: a non-positive setting, ``seq_len`` not a multiple of the padding multiple, or
+            an unknown ``long_docs``, each naming the argument and the value.
+    """
+    from megapack.cp import cp_pad_multiple
+
+    for name, value in (("seq_len", seq_len), ("pad_to_multiple_of", pad_to_multiple_of), ("cp_size", cp_size)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    multiple = cp_pad_multiple(cp_size, pad_to_multiple_of)
+    if seq_len % multiple:
+        why = (
+            f"pad_to_multiple_of={multiple}"
+            if cp_size == 1
+            else f"{multiple} (pad_to_multiple_of={pad_to_multiple_of}, cp_size={cp_size}: "
+            "lcm(pad_to_multiple_of, 2 * cp_size))"
+        )
+        raise ValueError(f"seq_len={seq_len} must be a multiple of {why}")
+    if long_docs not in LONG_DOC_POLICIES:
+        raise ValueError(f"long_docs={long_docs!r}; choose one of {LONG_DOC_POLICIES}")
+    return multiple
+
+
+def plan_layout(
+    lengths: np.ndarray, seq_len: int, *, multiple: int, cp_size: int, algorithm: str,
+    long_docs: str, seed: int, pad_token_id: int,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:  # fmt: skip
+    """Plan rows for documents of ``lengths`` (already split when ``long_docs="split"``).
+
+    Returns:
+        ``({"doc_offsets", "slices", "bin_offsets"}, meta)``; see the module docstring.
+
+    Raises:
+        ValueError: no documents, or a long document the policy refuses.
+    """
+    from megapack.packing import plan
+
+    if len(lengths) == 0:
+        raise ValueError("documents is empty: nothing to pack")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    aligned = -(-lengths // multiple) * multiple
+    packing = plan(
+        aligned, seq_len, algorithm=algorithm, seed=seed,
+        long_docs="error" if long_docs == "split" else long_docs,
+    )  # fmt: skip
+    slices = np.array(packing.slices, dtype=np.int64).reshape(-1, 3)  # in aligned units
+    slices[:, 2] = np.minimum(slices[:, 2], lengths[slices[:, 0]])  # padding holds no tokens
+    real_tokens = int((slices[:, 2] - slices[:, 1]).clip(min=0).sum())
+    arrays = {
+        "doc_offsets": np.concatenate([[0], np.cumsum(lengths)]),
+        "slices": slices,
+        "bin_offsets": np.array(packing.bin_offsets, dtype=np.int64),
+    }
+    meta: dict[str, Any] = {
+        "version": FORMAT_VERSION, "seq_len": seq_len, "pad_to_multiple_of": multiple,
+        "algorithm": algorithm, "long_docs": long_docs, "seed": seed, "documents": len(lengths),
+        "cp_size": cp_size, "rows": packing.num_bins, "lower_bound": packing.lower_bound,
+        "efficiency": real_tokens / max(packing.num_bins * seq_len, 1),  # alignment padding is waste
+        "padding_tokens": packing.packed_tokens - real_tokens,
+        "truncated_tokens": packing.truncated_tokens, "dropped_tokens": packing.dropped_tokens,
+        "pad_token_id": pad_token_id,
+    }  # fmt: skip
+    return arrays, meta

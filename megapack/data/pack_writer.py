@@ -1,0 +1,251 @@
+"""`PackWriter`: pack a corpus of any size to disk with memory bounded by its number of documents.
+
+``megapack pack`` used to read every document into a list, concatenate them (a second copy) and
+plan; its memory grew with every token. The writer streams instead:
+
+1. documents (from any reader; long ones split at message boundaries when ``long_docs="split"``)
+   are appended as they arrive to ``tokens.npy`` and ``loss_mask.npy``: raw data behind a
+   fixed-size header that is filled in at the end, so the files are ordinary ``.npy`` arrays;
+   only their lengths stay in memory (8 bytes a document);
+2. after every ``checkpoint_every`` documents the files are flushed and ``progress.json`` records
+   how far they go and how many input rows produced them (a *completed shard* of the input);
+3. at the end, the plan is made from the lengths alone (`megapack.data.layout.plan_layout`, the
+   function `PackedDataset` uses) and written as ``slices.npy`` / ``bin_offsets.npy`` with
+   ``doc_offsets.npy`` and ``meta.json``. Rows are slices of the token memmap, so they are not
+   copied again: the directory is exactly what `PackedDataset.save` writes, and
+   `PackedDataset.load` reads it unchanged (the same arrays, byte for byte).
+
+Resuming: a run that stopped (killed, out of disk) leaves ``progress.json`` and no ``meta.json``.
+``PackWriter(out, ..., resume=True)`` truncates the files to the last checkpoint and reports
+``rows_done``, the input rows to skip (``read_jsonl(..., skip=rows_done)``); a different
+configuration (input, seq_len, tokenizer, ...) is refused naming the setting.
+
+Peak memory: one reader batch of documents plus the write buffer (``buffer_tokens``) plus 8-24
+bytes per document (lengths, then the plan); not the corpus' tokens (see ``megapack bench`` pack).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from megapack.data.document import Document
+from megapack.data.layout import check_layout, plan_layout
+from megapack.data.split import split_document
+
+PROGRESS_VERSION = 1
+HEADER_BYTES = 128
+"""Reserved .npy header size (a multiple of 64, holds any 1-D shape)."""
+ARRAYS: dict[str, np.dtype[Any]] = {"tokens": np.dtype(np.int64), "loss_mask": np.dtype(np.float32)}
+
+
+class PackWriter:
+    """Stream documents into a `PackedDataset` directory, resumably; see the module docstring.
+
+    Args:
+        out: the output directory.
+        seq_len, pad_to_multiple_of, cp_size, algorithm, long_docs, seed, pad_token_id: as
+            `PackedDataset`.
+        config: anything else that must match on resume (input path, tokenizer, fields, ...).
+        resume: continue the unfinished run in ``out`` from its last checkpoint.
+        checkpoint_every: documents between checkpoints.
+        buffer_tokens: tokens held before a write.
+
+    Example:
+        >>> writer = PackWriter("packed/", 4096, resume=True)  # doctest: +SKIP
+        >>> reader = read_jsonl("train.jsonl", tok, skip=writer.rows_done)  # doctest: +SKIP
+        >>> meta = writer.write(reader, position=lambda: reader.rows_done)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        out: str | os.PathLike[str],
+        seq_len: int,
+        *,
+        pad_to_multiple_of: int = 1,
+        cp_size: int = 1,
+        algorithm: str = "bfd",
+        long_docs: str = "split",
+        seed: int = 0,
+        pad_token_id: int = 0,
+        config: dict[str, Any] | None = None,
+        resume: bool = False,
+        checkpoint_every: int = 100_000,
+        buffer_tokens: int = 1 << 16,
+    ) -> None:
+        from megapack.packing.names import ALGORITHMS
+
+        multiple = check_layout(seq_len, pad_to_multiple_of, cp_size, long_docs)
+        for name, value in (
+            ("checkpoint_every", checkpoint_every),
+            ("buffer_tokens", buffer_tokens),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm={algorithm!r}; choose one of {ALGORITHMS}")
+        self.out = Path(out)
+        self.settings: dict[str, Any] = {
+            "seq_len": seq_len, "pad_to_multiple_of": pad_to_multiple_of, "cp_size": cp_size,
+            "multiple": multiple, "algorithm": algorithm,
+            "long_docs": long_docs, "seed": seed, "pad_token_id": pad_token_id,
+        }  # fmt: skip
+        self.config = json.loads(json.dumps(config or {}, default=str))
+        self.checkpoint_every = checkpoint_every
+        self.buffer_tokens = buffer_tokens
+        self.rows_done = 0
+        """Input rows behind the last checkpoint: what a resumed reader skips."""
+        self.documents = 0
+        self.tokens = 0
+        self._lengths: list[int] = []
+        self._start(resume)
+
+    def _start(self, resume: bool) -> None:
+        progress = self.out / "progress.json"
+        if (self.out / "meta.json").is_file() and progress.is_file():
+            (self.out / "meta.json").unlink()  # a crash while finishing: redo the end
+        if progress.is_file():
+            if not resume:
+                raise ValueError(
+                    f"{self.out} holds an unfinished pack ({progress}): pass --resume (resume=True) "
+                    "to continue it, or remove the directory to start over"
+                )
+            state = json.loads(progress.read_text())
+            saved = {"settings": state.get("settings"), "config": state.get("config")}
+            mine = {"settings": self.settings, "config": self.config}
+            for part in ("settings", "config"):
+                for key in sorted(set(saved[part] or {}) | set(mine[part])):
+                    if (saved[part] or {}).get(key) != mine[part].get(key):
+                        raise ValueError(
+                            f"{self.out}: the unfinished pack was started with {key}="
+                            f"{(saved[part] or {}).get(key)!r}, this run has {key}="
+                            f"{mine[part].get(key)!r}; use the same settings to resume, or remove it"
+                        )
+            self.rows_done, self.documents, self.tokens = (
+                int(state["rows"]), int(state["documents"]), int(state["tokens"]),
+            )  # fmt: skip
+            lengths = np.fromfile(self.out / "lengths.partial", dtype=np.int64)
+            self._lengths = lengths[: self.documents].tolist()
+        elif (self.out / "meta.json").is_file() and not resume:
+            raise ValueError(
+                f"{self.out} already holds a finished pack (meta.json): choose another --out or "
+                "remove it"
+            )
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._files: dict[str, IO[bytes]] = {}
+        for name, dtype in ARRAYS.items():
+            path = self.out / f"{name}.npy"
+            mode = "r+b" if self.documents else "wb"
+            if not path.exists():
+                mode = "wb"
+            handle = open(path, mode)  # noqa: SIM115 (closed in write / close)
+            handle.truncate(HEADER_BYTES + self.tokens * dtype.itemsize)
+            handle.seek(HEADER_BYTES + self.tokens * dtype.itemsize)
+            self._files[name] = handle
+        self._buffers: dict[str, list[np.ndarray]] = {name: [] for name in ARRAYS}
+        self._buffered = 0
+
+    def write(
+        self, documents: Iterable[Document], *, position: Callable[[], int] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Append ``documents``, plan, and finish the directory; returns its meta.
+
+        Args:
+            documents: the input, positioned after ``rows_done`` rows when resuming.
+            position: input rows this run's reader consumed so far (for checkpoints; the
+                writer adds the ``rows_done`` it resumed from); default: documents read.
+            on_progress: called as ``on_progress(documents, tokens)`` after every document.
+
+        Raises:
+            ValueError: no documents at all, or a document the long-document policy refuses.
+        """
+        seen = since = 0
+        start = self.rows_done
+        seq_len, split = self.settings["seq_len"], self.settings["long_docs"] == "split"
+        try:
+            for doc in documents:
+                seen, since = seen + 1, since + 1
+                for piece in split_document(doc, seq_len) if split else (doc,):
+                    self._append(piece)
+                if on_progress is not None:
+                    on_progress(self.documents, self.tokens)
+                if since >= self.checkpoint_every:
+                    self._checkpoint(start + (position() if position else seen))
+                    since = 0
+            self._flush()
+        finally:
+            for handle in self._files.values():
+                handle.close()
+        return self._finish()
+
+    def _append(self, doc: Document) -> None:
+        self._buffers["tokens"].append(doc.tokens)
+        self._buffers["loss_mask"].append(doc.loss_mask)
+        self._lengths.append(len(doc))
+        self.documents += 1
+        self.tokens += len(doc)
+        self._buffered += len(doc)
+        if self._buffered >= self.buffer_tokens:
+            self._flush()
+
+    def _flush(self) -> None:
+        for name, parts in self._buffers.items():
+            if parts:
+                self._files[name].write(
+                    np.concatenate(parts).astype(ARRAYS[name], copy=False).tobytes()
+                )
+            parts.clear()
+        self._buffered = 0
+
+    def _checkpoint(self, rows: int) -> None:
+        self._flush()
+        for handle in self._files.values():
+            handle.flush()
+            os.fsync(handle.fileno())
+        np.asarray(self._lengths, dtype=np.int64).tofile(self.out / "lengths.partial")
+        state = {
+            "version": PROGRESS_VERSION, "settings": self.settings, "config": self.config,
+            "rows": rows, "documents": self.documents, "tokens": self.tokens,
+        }  # fmt: skip
+        tmp = self.out / "progress.json.tmp"
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        tmp.replace(self.out / "progress.json")  # atomic: a checkpoint is whole or absent
+        self.rows_done = rows
+
+    def _finish(self) -> dict[str, Any]:
+        if not self._lengths:
+            raise ValueError("documents is empty: nothing to pack")
+        for name, dtype in ARRAYS.items():
+            _write_header(self.out / f"{name}.npy", dtype, self.tokens)
+        s = self.settings
+        arrays, meta = plan_layout(
+            np.asarray(self._lengths, dtype=np.int64), s["seq_len"], multiple=s["multiple"],
+            cp_size=s["cp_size"], algorithm=s["algorithm"], long_docs=s["long_docs"],
+            seed=s["seed"], pad_token_id=s["pad_token_id"],
+        )  # fmt: skip
+        for name, array in arrays.items():
+            np.save(self.out / f"{name}.npy", array)
+        (self.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        for leftover in ("progress.json", "lengths.partial"):
+            (self.out / leftover).unlink(missing_ok=True)
+        return meta
+
+
+def _write_header(path: Path, dtype: np.dtype[Any], count: int) -> None:
+    """Fill the reserved header of a raw-data .npy file: a 1-D array of ``count`` items."""
+    text = repr(
+        {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (count,)}
+    )
+    magic = b"\x93NUMPY\x01\x00"
+    room = HEADER_BYTES - len(magic) - 2
+    body = text.encode("latin1").ljust(room - 1) + b"\n"
+    if len(body) != room:
+        raise ValueError(f"{path}: .npy header {text!r} does not fit {HEADER_BYTES} bytes")
+    with open(path, "r+b") as handle:
+        handle.write(magic + room.to_bytes(2, "little") + body)

@@ -1,0 +1,175 @@
+"""PackWriter: the streamed pack is PackedDataset.save's directory byte for byte, and resumes exactly."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megapack.data import Document, PackedDataset, read_jsonl
+from megapack.data.pack_writer import PackWriter
+from megapack.progress import Progress
+
+NAMES = ("tokens", "loss_mask", "doc_offsets", "slices", "bin_offsets")
+
+
+def corpus(path: Path, n: int = 60) -> Path:
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(n):
+        if i % 3 == 0:
+            turns = [{"role": "user", "content": "q" * int(rng.integers(1, 30))},
+                     {"role": "assistant", "content": "a" * int(rng.integers(1, 90))}] * 2  # fmt: skip
+            lines.append(json.dumps({"messages": turns}))
+        else:
+            lines.append(
+                json.dumps(
+                    {
+                        "prompt": "p" * int(rng.integers(1, 20)),
+                        "completion": "c" * int(rng.integers(1, 120)),
+                    }
+                )
+            )
+        if i == 20:
+            lines.append("")  # a blank line
+        if i == 40:
+            lines.append('{"text": ""}')  # a bad line
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def same_dirs(a: Path, b: Path) -> None:
+    for name in NAMES:
+        x, y = np.load(a / f"{name}.npy"), np.load(b / f"{name}.npy")
+        assert x.dtype == y.dtype and np.array_equal(x, y), name
+    assert json.loads((a / "meta.json").read_text()) == json.loads((b / "meta.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("long_docs", "multiple", "cp"),
+    [("split", 1, 1), ("split", 4, 1), ("truncate", 2, 1), ("drop", 1, 1), ("split", 1, 2)],
+)
+def test_pack_writer_matches_packed_dataset_save(
+    tmp_path: Path, long_docs: str, multiple: int, cp: int
+) -> None:
+    src = corpus(tmp_path / "d.jsonl")
+    docs = list(read_jsonl(src, skip_bad=True))
+    PackedDataset(
+        docs, 128, pad_to_multiple_of=multiple, cp_size=cp, long_docs=long_docs, pad_token_id=256
+    ).save(tmp_path / "ref")
+    writer = PackWriter(tmp_path / "out", 128, pad_to_multiple_of=multiple, cp_size=cp,
+                        long_docs=long_docs, pad_token_id=256, buffer_tokens=100)  # fmt: skip
+    meta = writer.write(read_jsonl(src, skip_bad=True))
+    assert meta["pad_to_multiple_of"] == max(multiple, 2 * cp if cp > 1 else 1)
+    same_dirs(tmp_path / "ref", tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        [*(f"{n}.npy" for n in NAMES), "meta.json"]
+    )
+    loaded, ref = PackedDataset.load(tmp_path / "out"), PackedDataset.load(tmp_path / "ref")
+    assert len(loaded) == len(ref) == meta["rows"]
+    assert all(np.array_equal(loaded[i].tokens, ref[i].tokens) for i in range(len(ref)))
+
+
+def interrupted(docs: Iterator[Document], after: int) -> Iterator[Document]:
+    for i, doc in enumerate(docs):
+        if i == after:
+            raise KeyboardInterrupt  # the job is killed
+        yield doc
+
+
+def test_pack_writer_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
+    src = corpus(tmp_path / "d.jsonl")
+    full = PackWriter(tmp_path / "full", 128)
+    full.write(read_jsonl(src, skip_bad=True))
+    first = PackWriter(tmp_path / "out", 128, checkpoint_every=7, config={"input": str(src)})
+    reader = read_jsonl(src, skip_bad=True, workers=1)
+    with pytest.raises(KeyboardInterrupt):
+        first.write(interrupted(reader, 45), position=lambda: reader.rows_done)
+    assert (tmp_path / "out" / "progress.json").is_file() and not (
+        tmp_path / "out" / "meta.json"
+    ).exists()
+    assert first.rows_done == 43  # 42 documents (6 checkpoints) + the bad line among them
+    with pytest.raises(ValueError, match=r"unfinished pack.*--resume"):
+        PackWriter(tmp_path / "out", 128, checkpoint_every=7, config={"input": str(src)})
+    with pytest.raises(ValueError, match=r"started with seq_len=128, this run has seq_len=256"):
+        PackWriter(
+            tmp_path / "out", 256, resume=True, checkpoint_every=7, config={"input": str(src)}
+        )
+    with pytest.raises(ValueError, match=r"started with input='.*d.jsonl', this run has input='x'"):
+        PackWriter(tmp_path / "out", 128, resume=True, config={"input": "x"})
+    again = PackWriter(
+        tmp_path / "out", 128, resume=True, checkpoint_every=7, config={"input": str(src)}
+    )
+    assert again.rows_done == 43 and 42 <= again.documents < first.documents  # pieces of 42 docs
+    rest = read_jsonl(src, skip_bad=True, skip=again.rows_done)
+    again.write(rest, position=lambda: rest.rows_done)
+    same_dirs(tmp_path / "full", tmp_path / "out")
+    assert not (tmp_path / "out" / "progress.json").exists()
+    with pytest.raises(ValueError, match="already holds a finished pack"):
+        PackWriter(tmp_path / "out", 128)
+
+
+def test_pack_writer_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="seq_len must be a positive int, got 0"):
+        PackWriter(tmp_path, 0)
+    with pytest.raises(ValueError, match=r"long_docs='cut'; choose one of"):
+        PackWriter(tmp_path, 8, long_docs="cut")
+    with pytest.raises(ValueError, match=r"algorithm='fast'; choose one of"):
+        PackWriter(tmp_path, 8, algorithm="fast")
+    with pytest.raises(ValueError, match="documents is empty"):
+        PackWriter(tmp_path / "e", 8).write([])
+
+
+def test_pack_cli_resume_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from megapack.cli import main
+
+    src = corpus(tmp_path / "d.jsonl")
+    out = tmp_path / "out"
+    args = [
+        "pack",
+        str(src),
+        "--seq-len",
+        "128",
+        "--skip-bad",
+        "--out",
+        str(out),
+        "--checkpoint-every",
+        "5",
+    ]
+    writer = PackWriter(out, 128, pad_token_id=256, checkpoint_every=5,
+                        config={"input": str(src.resolve()), "tokenizer": None})  # fmt: skip
+    reader = read_jsonl(src, skip_bad=True)
+    with pytest.raises(KeyboardInterrupt):
+        writer.write(interrupted(reader, 12), position=lambda: reader.rows_done)
+    assert main(args) == 2 and "--resume" in capsys.readouterr().err
+    assert main([*args, "--resume"]) == 0
+    assert "resuming after 10 input rows" in capsys.readouterr().err
+    assert (
+        main(["pack", str(src), "--seq-len", "128", "--skip-bad", "--out", str(tmp_path / "ref")])
+        == 0
+    )
+    same_dirs(tmp_path / "ref", out)
+
+
+def test_pack_progress_plain_lines_without_a_terminal() -> None:
+    stream = io.StringIO()
+    progress = Progress("pack", stream=stream, every_s=0.0, input_bytes=10_000_000, tty=False)
+    for i in range(1, 1025):
+        progress.update(i, 100 * i)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue() and len(lines) == 5  # every 256 updates, then the end
+    assert lines[0].startswith("pack: 256 documents, 0.0M tokens")
+    assert (
+        lines[-1].startswith("pack: done, 1,024 documents, 0.1M tokens")
+        and "MB/s of input" in lines[-1]
+    )
+    bar = io.StringIO()
+    progress = Progress("pack", stream=bar, tty=True)
+    progress.update(5, 50)
+    progress.close()
+    assert "pack" in bar.getvalue() and "5" in bar.getvalue()
