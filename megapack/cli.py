@@ -130,19 +130,21 @@ def reader_options(args: argparse.Namespace) -> dict[str, Any]:
     return options | chat_options(args)
 
 
-def _read(args: argparse.Namespace, tokenizer: Any = None) -> tuple[list[Any], str]:
+def _read_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
+    """Document lengths of the input (streamed: no document is kept) and a bad-line note."""
     from megapack.data import read_documents
 
     options = reader_options(args)
-    reader = read_documents(args.input, tokenizer or _tokenizer(args.tokenizer), **options)
-    docs = list(progress(reader, f"reading {args.input}"))
+    reader = read_documents(args.input, _tokenizer(args.tokenizer), **options)
+    docs = progress(reader, f"reading {args.input}")
+    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64)
     stats = getattr(reader, "stats", None)
     note = (
         f"{stats.skipped:,} bad lines skipped {dict(stats.skipped_by_problem)}"
         if stats and stats.skipped
         else ""
     )
-    return docs, note
+    return lengths, note
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
@@ -203,8 +205,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from megapack.cp import cp_pad_multiple
     from megapack.packing import plan
 
-    docs, note = _read(args)
-    lengths = np.array([len(d) for d in docs], dtype=np.int64)
+    lengths, note = _read_lengths(args)
     multiple = cp_pad_multiple(args.cp_size, args.pad_to_multiple_of)
     if len(lengths) == 0:
         print(f"{args.input}: no documents", file=sys.stderr)

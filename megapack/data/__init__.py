@@ -7,6 +7,7 @@
       read_numpy / documents_from_*  token arrays with offsets, eos splitting, lists of arrays
     split_document(doc, max_len)  cut long documents at message boundaries for a packer
     PackedDataset                 documents packed into equal per-rank shards of PackedBatch micro-batches
+    PackWriter                    the same directory PackedDataset.save writes, streamed and resumable
     ByteTokenizer, HFTokenizer    the Tokenizer protocol's two implementations
     ChatTemplate                  built-in chat rendering (the fallback, e.g. for ByteTokenizer)
     HFChatTemplate                a model's own Jinja chat template, as apply_chat_template renders it
@@ -30,6 +31,7 @@ from megapack.data.document import Document
 from megapack.data.hf_chat import ChatTemplateError, HFChatTemplate
 from megapack.data.indexed import read_indexed
 from megapack.data.jsonl import JsonlReader, JsonlStats, read_jsonl
+from megapack.data.pack_writer import PackWriter
 from megapack.data.read import read_documents
 from megapack.data.record_reader import ReaderStats, RecordReader
 from megapack.data.records import BadLineError, Fields
@@ -48,6 +50,7 @@ __all__ = [
     "HFTokenizer",
     "JsonlReader",
     "JsonlStats",
+    "PackWriter",
     "PackedDataset",
     "ReaderStats",
     "RecordReader",
