@@ -236,10 +236,8 @@ def cp_attention(
     local = q.shape[0]
     kv = GatherRows.apply(torch.cat([k, v], dim=-1), plan.order, group)[plan.k_index]
     k_sel, v_sel = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
-    if (
-        plan.max_q == 0
-    ):  # nothing real here: keep K/V in the graph so backward's reduce-scatter runs
-        out = q.new_zeros(0, q.shape[1], v.shape[-1]) + 0.0 * kv.sum()
+    if plan.max_q == 0:  # nothing real here; K/V stay in the graph for backward's reduce-scatter
+        out = q.new_zeros(0, q.shape[1], v.shape[-1]) + 0.0 * (kv.sum() + q.sum())
     else:
         out = CROSS_KERNELS[kernel](q[plan.q_index], k_sel, v_sel, plan, scale, dropout)
     return q.new_zeros(local, q.shape[1], v.shape[-1]).index_copy(0, plan.q_index, out)
@@ -263,6 +261,11 @@ def sbhd_cp_attention(
     """
     cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     local, total = q.shape[0], cp_size * q.shape[0]
+    if mask is not None and mask.shape[-2:] != (local, total):  # before the collective
+        raise ValueError(
+            f"with cp_size={cp_size} attention_mask must be [b, 1, {local}, {total}] (this rank's "
+            f"queries x all keys), got {tuple(mask.shape)}"
+        )
     order = torch.stack(
         [cp_indices([0, total], cp_size, r, layout="row") for r in range(cp_size)]
     ).to(q.device)
@@ -270,11 +273,6 @@ def sbhd_cp_attention(
     k_row, v_row = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
     if mask is None:
         allowed = torch.arange(total, device=q.device)[None, :] <= order[cp_rank][:, None]
-    elif mask.shape[-2:] != (local, total):
-        raise ValueError(
-            f"with cp_size={cp_size} attention_mask must be [b, 1, {local}, {total}] (this rank's "
-            f"queries x all keys), got {tuple(mask.shape)}"
-        )
     else:
         allowed = ~mask.to(torch.bool)
     out = F.scaled_dot_product_attention(

@@ -27,6 +27,7 @@ uninitialized.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -323,7 +324,7 @@ def make_packed_seq_params(
         "cp_group": cp_group,
         "local_cp_size": local_cp_size,
     }
-    known = {f.name for f in dataclasses.fields(PackedSeqParams)}
+    known = _fields_of(PackedSeqParams)
     missing = [k for k, v in values.items() if k not in known and v is not None and k != "cp_group"]
     if missing:
         raise ValueError(
@@ -331,6 +332,12 @@ def make_packed_seq_params(
             f"{values[missing[0]]!r}); upgrade megatron-core (local_cp_size needs hybrid CP support)"
         )
     return PackedSeqParams(**{k: v for k, v in values.items() if k in known})
+
+
+@functools.cache
+def _fields_of(cls: type) -> frozenset[str]:
+    """A dataclass's field names (read once: this runs on every transfer call)."""
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def _check_dtype(name: str, value: torch.Tensor, want: torch.dtype) -> None:

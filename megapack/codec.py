@@ -25,7 +25,6 @@ Bytes for a 4,096-token SFT row on the only stage: 114,736 (Megatron's tensors) 
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,8 +35,8 @@ from megapack.cp import CP_LAYOUTS, CpLayout, cp_indices
 from megapack.inputs import Layout
 
 
-class Lean(enum.IntFlag):
-    """The ``codec`` flags of a header: which lean forms this batch's payload uses."""
+class Lean:
+    """The ``codec`` flags of a header (bits of a plain int): which lean forms the payload uses."""
 
     TOKENS_INT32 = 1
     POSITIONS_DERIVED = 2
@@ -104,9 +103,9 @@ def compact(
     labels = tensors.get("labels") if "labels" in present else None
     narrow = None
     if enabled and tokens is not None and ("tokens" in present or labels is not None):
-        narrow = lean.narrow(tokens.to(torch.int64))
+        narrow = lean.narrow(as_dtype(tokens, torch.int64))
     if enabled and labels is not None and tokens is not None:
-        found = lean.shift_exceptions(labels.to(torch.int64), tokens.to(torch.int64))
+        found = lean.shift_exceptions(as_dtype(labels, torch.int64), as_dtype(tokens, torch.int64))
         if found is not None:
             n, token_bytes = labels.numel(), (4 if narrow is not None else 8) * labels.numel()
             shift = _aligned(4 * found[0].numel()) + 8 * found[0].numel()
@@ -126,13 +125,13 @@ def compact(
         reference = (
             _reference(layout, tensors, rows, cols, share, positions.device) if enabled else None
         )
-        if reference is not None and torch.equal(positions.to(torch.int64), reference):
+        if reference is not None and torch.equal(as_dtype(positions, torch.int64), reference):
             flags |= Lean.POSITIONS_DERIVED
         else:
             pieces["position_ids"] = positions
     mask = tensors.get("loss_mask") if "loss_mask" in present else None
     if mask is not None:
-        bits = lean.pack_bits(mask.to(torch.float32)) if enabled else None
+        bits = lean.pack_bits(as_dtype(mask, torch.float32)) if enabled else None
         flags |= Lean.MASK_BITS if bits is not None else 0
         pieces["loss_mask" if bits is None else "loss_bits"] = mask if bits is None else bits
     return flags, exceptions, pieces
@@ -223,3 +222,8 @@ def _row_share(full: int, share: Share, device: torch.device) -> torch.Tensor:
 def _aligned(nbytes: int) -> int:
     """Bytes a piece takes on the wire: 8-byte aligned."""
     return nbytes + (-nbytes % 8)
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, without a call into torch when it already is (the usual case)."""
+    return t if t.dtype == dtype else t.to(dtype)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import queue
 import threading
 import warnings
@@ -76,9 +77,10 @@ def prefetch(
     topology: Topology | None = None,
     depth: int = 1,
     timeout: float | None = None,
+    **options: Any,
 ) -> Prefetcher:
     """Start prefetching ``depth`` micro-batches ahead; see `Prefetcher` and the module docstring."""
-    return Prefetcher(data_iterator, topology=topology, depth=depth, timeout=timeout)
+    return Prefetcher(data_iterator, topology=topology, depth=depth, timeout=timeout, **options)
 
 
 class Prefetcher:
@@ -89,6 +91,8 @@ class Prefetcher:
         topology: this rank's place in the grid; default: from megatron-core's ``parallel_state``.
         depth: how many batches may be fetched ahead, 1 or more.
         timeout: seconds a collective waits for a peer (default: $MEGAPACK_TIMEOUT_S or 300).
+        **options: passed on to every `get_batch_on_this_tp_rank` call (``cp_layout``,
+            ``sequence_parallel``, ``packed``).
 
     Every rank of the TP group must create it at the same point (the first prefetcher of a TP
     group creates its data group, collectively over the TP ranks) and close it at the same point.
@@ -101,12 +105,24 @@ class Prefetcher:
         topology: Topology | None = None,
         depth: int = 1,
         timeout: float | None = None,
+        **options: Any,
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"prefetch depth must be an int >= 1, got {depth!r}")
+        allowed = set(inspect.signature(get_batch_on_this_tp_rank).parameters) - {
+            "data_iterator",
+            "topology",
+            "timeout",
+        }
+        if unknown := sorted(set(options) - allowed):
+            raise TypeError(
+                f"prefetch got unknown options {unknown}; it passes on {sorted(allowed)} to "
+                "get_batch_on_this_tp_rank"
+            )
         topo = topology if topology is not None else Topology.from_parallel_state()
         self._timeout = comm.collective_timeout(timeout)
         self._iterator = data_iterator
+        self._options = options
         self._slot: _DataGroup | None = None
         self._control: dist.ProcessGroup | None = None
         if topo.tp_group is not None:
@@ -182,7 +198,7 @@ class Prefetcher:
             try:
                 with torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext():
                     batch = get_batch_on_this_tp_rank(
-                        self._iterator, topology=self._topo, timeout=self._timeout
+                        self._iterator, topology=self._topo, timeout=self._timeout, **self._options
                     )
                     event = None
                     if self._stream is not None:

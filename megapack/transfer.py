@@ -272,6 +272,8 @@ def _send_frame(
     timeout: float | None,
 ) -> torch.Tensor:
     """One frame (header + inline payload + slack); the payload follows when it outgrew the capacity."""
+    if topo.tp_size == 1:  # nobody to send to: no frame to build
+        return join(chunks, topo.device)
     capacity = state.capacity
     inline = header.nbytes <= capacity
     slack = capacity - header.nbytes if inline else capacity

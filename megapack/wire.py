@@ -18,7 +18,6 @@ context parallelism `megapack.cp_share` cuts them to a CP rank's share before `e
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 from collections.abc import Mapping
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megapack.batch import CU_DTYPE, MASK_DTYPE, TOKEN_DTYPE, make_packed_seq_params
-from megapack.codec import Share, compact, expand, grid_pieces
+from megapack.codec import Share, as_dtype, compact, expand, grid_pieces
 from megapack.cp import CP_LAYOUTS
 from megapack.errors import ProtocolError
 from megapack.inputs import Layout, Scalars, normalize
@@ -67,6 +66,8 @@ FIELDS: tuple[Field, ...] = (
     # BlendedDataset's source of each sample, [b]:
     Field("dataset_id", TOKEN_DTYPE, ALL_STAGES, "samples"),
 )
+FIELD_BITS = {f.name: 1 << i for i, f in enumerate(FIELDS)}
+"""A field's bit in `Header.field_mask`."""
 
 
 def travels(field: Field, stage: Stage) -> bool:
@@ -186,35 +187,37 @@ def encode_fields(
         f.name for f in FIELDS if stage in f.stages and tensors.get(f.name) is not None
     )
     flags, exceptions, values = compact(layout, tensors, present, share, enabled=lean)
-    header = Header(
-        status=Status.OK,
-        stage=stage,
-        layout=layout,
-        rows=int(rows),
-        cols=int(cols),
-        n_cu=_numel(tensors.get("cu_seqlens")),
-        n_cu_padded=_numel(tensors.get("cu_seqlens_padded")),
-        max_seqlen=-1 if scalars.max_seqlen is None else scalars.max_seqlen,
-        field_mask=sum(1 << i for i, f in enumerate(FIELDS) if f.name in present),
-        nbytes=0,
-        mask_shape=(0, 0, 0, 0) if mask is None else tuple(mask.shape),  # type: ignore[arg-type]
-        samples=_numel(tensors.get("dataset_id")),
-        local_cp_size=-1 if scalars.local_cp_size is None else scalars.local_cp_size,
-        codec=flags,
-        exceptions=exceptions,
-        cp_layout=share.layout_code,
-    )
+    fields: dict[str, Any] = {
+        "status": Status.OK,
+        "stage": stage,
+        "layout": layout,
+        "rows": int(rows),
+        "cols": int(cols),
+        "n_cu": _numel(tensors.get("cu_seqlens")),
+        "n_cu_padded": _numel(tensors.get("cu_seqlens_padded")),
+        "max_seqlen": -1 if scalars.max_seqlen is None else scalars.max_seqlen,
+        "field_mask": sum(FIELD_BITS[name] for name in present),
+        "mask_shape": (0, 0, 0, 0) if mask is None else tuple(mask.shape),
+        "samples": _numel(tensors.get("dataset_id")),
+        "local_cp_size": -1 if scalars.local_cp_size is None else scalars.local_cp_size,
+        "codec": flags,
+        "exceptions": exceptions,
+        "cp_layout": share.layout_code,
+    }
     chunks, nbytes = [], 0
-    for name, dtype, _ in pieces(header):
+    for name, dtype, _ in pieces(Header(**fields)):
         t = values[name] if name in values else tensors[name]
         assert t is not None  # pieces() lists present fields only
-        raw = t.to(dtype=dtype).contiguous().reshape(-1).view(torch.uint8)
+        raw = as_dtype(t, dtype).contiguous().view(-1).view(torch.uint8)
         chunks.append(raw)
         nbytes += raw.numel()
         if pad := -nbytes % 8:
-            chunks.append(torch.zeros(pad, dtype=torch.uint8, device=raw.device))
+            chunks.append(_ZEROS[:pad].to(raw.device))
             nbytes += pad
-    return dataclasses.replace(header, nbytes=nbytes), _to_device(chunks, device)
+    return Header(**fields, nbytes=nbytes), _to_device(chunks, device)
+
+
+_ZEROS = torch.zeros(8, dtype=torch.uint8)  # alignment padding (read-only)
 
 
 def pieces(header: Header) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import signal
 import time
@@ -154,6 +155,10 @@ PATHS = ["frame", "split", "prefetch", "prefetch-split"]
 
 
 def run_get_batch_fault(fault: str, path: str = "frame") -> Any:
+    # Every rank imports megatron (~5 s on a busy machine; get_batch's first decode needs it)
+    # before the timed calls, so a rank still importing is not mistaken for a stuck peer.
+    importlib.import_module("megatron.core.packed_seq_params")
+    dist.barrier()
     topo = grid_topology(dist.get_world_size(), 1)
     if path.endswith("split"):
         force_split_path(topo)
@@ -196,7 +201,7 @@ def _fault_body(fault: str, topo: Any, fetch: Any, clock: list[float]) -> Any:
 )  # each case restarts the pool: prefetch-split adds little
 def test_get_batch_killed_receiver(pool: WorkerPool, path: str) -> None:
     outcomes = pool.run_outcomes(run_get_batch_fault, 3, "kill-receiver", path, timeout=30)
-    assert outcomes[2].status == "died"
+    assert outcomes[2].status == "died", outcomes[2]
     for o in outcomes[:2]:
         kind, _, seconds = o.value
         assert kind == "CollectiveError", o  # measured: ~0.04 s, gloo sees the connection close

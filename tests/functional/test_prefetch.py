@@ -188,6 +188,31 @@ def test_prefetch_peer_closing_early_is_reported_on_every_rank(dist_pool: Any) -
         assert seconds < 5.0
 
 
-def test_prefetch_depth_is_validated() -> None:
+def test_prefetch_arguments_are_validated() -> None:
     with pytest.raises(ValueError, match="prefetch depth must be an int >= 1, got 0"):
         megapack.prefetch(iter([]), depth=0)
+    with pytest.raises(TypeError, match=r"prefetch got unknown options \['cp_layuot'\]"):
+        megapack.prefetch(iter([]), depth=1, cp_layuot="row")
+
+
+def run_prefetch_options(tp: int) -> list[str]:
+    topo = grid_topology(tp, 1)
+    data = iter([megapack.PackedBatch.from_documents([[1, 2, 3]])]) if topo.is_source else None
+    kinds = []
+    with megapack.prefetch(data, topology=topo, depth=2, packed=False) as batches:
+        for _ in range(2):
+            try:
+                next(batches)
+                kinds.append("ok")
+            except StopIteration:
+                kinds.append("StopIteration")
+            except Exception as exc:
+                kinds.append(f"{type(exc).__name__}: {exc}"[:80])
+    return kinds
+
+
+def test_prefetch_passes_options_to_get_batch(dist_pool: Any) -> None:
+    source, peer = dist_pool.run(run_prefetch_options, 2, 2, timeout=60)
+    assert source[0].startswith("ValueError: get_batch_on_this_tp_rank(packed=False)"), source
+    assert peer[0].startswith("RemoteDataError"), peer
+    assert source[1] == peer[1] == "StopIteration"

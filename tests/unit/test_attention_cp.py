@@ -109,12 +109,12 @@ def test_plan_rejects_boundaries_of_another_row() -> None:
 # ---- on the worker pool ---------------------------------------------------------------------
 
 
-def thd_case(layout: str, seed: int, backend: str) -> dict[str, Any]:
+def thd_case(layout: str, seed: int, backend: str, docs: Any = None) -> dict[str, Any]:
     """On every rank: CP attention of this rank's share vs the whole-row cp=1 result, fwd and bwd."""
     import torch.distributed as dist
 
     cp, rank = dist.get_world_size(), dist.get_rank()
-    real, buffer = documents(seed, cp, layout)
+    real, buffer = docs or documents(seed, cp, layout)
     total = buffer[-1]
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(total, h, DIM, generator=g) for h in (HEADS, GROUPS, GROUPS))
@@ -146,6 +146,17 @@ def test_cp_attention_matches_the_whole_row(dist_pool: Any, cp: int, layout: str
             assert set(got) == {"out", "dq", "dk", "dv"}
             for name, (a, b) in got.items():
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
+
+
+@pytest.mark.distributed
+def test_cp_rank_without_real_queries_still_joins_backward(dist_pool: Any) -> None:
+    """One 1-token document padded to 4: rank 1 holds only padding (zero outputs), yet its K/V
+    gradient reduce-scatter must run, or rank 0 would hang."""
+    task = functools.partial(thd_case, "document", 0, "sdpa", ([0, 1], [0, 4]))
+    for rank, got in enumerate(dist_pool.run(task, 2, timeout=60)):
+        for name, (a, b) in got.items():
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
+    assert not got["out"][0].any()  # rank 1: padding only
 
 
 @pytest.mark.distributed
