@@ -79,15 +79,9 @@ def test_balance_streaming_bad_arguments() -> None:
 
 
 def test_balance_streaming_openchat_window() -> None:
-    import json
-    from pathlib import Path
+    from megapack.bench.datasets import load_lengths
 
-    path = (
-        Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "openchat_v1_lengths.json"
-    )
-    if not path.is_file():
-        pytest.skip("needs ../shared/data/openchat_v1_lengths.json")
-    lengths = json.loads(path.read_text())
+    lengths, _ = load_lengths()  # the OpenChat V1 lengths bundled with the package
     cost = CostModel(a=0, b=1)
     layout = {"dp_size": 8, "micro_batches": 4}
     result = {}
