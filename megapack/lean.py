@@ -80,10 +80,11 @@ def standard_positions(bounds: torch.Tensor, rows: int, cols: int) -> torch.Tens
             return torch.from_numpy(np.tile(np.arange(cols, dtype=np.int64), (rows, 1)))
         return torch.arange(cols, device=bounds.device).expand(rows, cols).contiguous()
     if _host(bounds):
-        b = bounds.numpy().astype(np.int64)
+        b = bounds.numpy()
         if b[-1] == total:  # the usual case: one repeat, no scatter
-            starts = np.repeat(b[:-1], np.diff(b))
+            starts = np.repeat(b[:-1], b[1:] - b[:-1])
         else:
+            b = b.astype(np.int64)
             inner = b[1:-1][b[1:-1] < total]
             starts = np.zeros(total, dtype=np.int64)
             starts[inner] = inner
