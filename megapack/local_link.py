@@ -47,7 +47,8 @@ import tempfile
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,24 @@ _CONNECT_TIMEOUT_S = 10.0
 def links_enabled() -> bool:
     """False when $MEGAPACK_LOCAL_LINK is 0/false/off/no; links are on by default."""
     return os.environ.get(LINK_ENV, "1").strip().lower() not in {"0", "false", "off", "no"}
+
+
+@contextmanager
+def local_links(enabled: bool) -> Iterator[None]:
+    """Within the block, groups on one host use local links (True) or collectives (False).
+
+    Sets $MEGAPACK_LOCAL_LINK in this process and restores it after; every rank of a group must
+    enter it alike (the bench times both transports this way, the tests test both).
+    """
+    before = os.environ.get(LINK_ENV)
+    os.environ[LINK_ENV] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(LINK_ENV, None)
+        else:
+            os.environ[LINK_ENV] = before
 
 
 @dataclass(eq=False)
