@@ -72,6 +72,11 @@ def test_pack_writer_matches_packed_dataset_save(
     loaded, ref = PackedDataset.load(tmp_path / "out"), PackedDataset.load(tmp_path / "ref")
     assert len(loaded) == len(ref) == meta["rows"]
     assert all(np.array_equal(loaded[i].tokens, ref[i].tokens) for i in range(len(ref)))
+    # the same through whole DocumentBatches (megapack pack's way), some holding long documents
+    writer = PackWriter(tmp_path / "batched", 128, pad_to_multiple_of=multiple, cp_size=cp,
+                        long_docs=long_docs, pad_token_id=256, buffer_tokens=100)  # fmt: skip
+    assert writer.write(read_jsonl(src, skip_bad=True).batches()) == meta
+    same_dirs(tmp_path / "ref", tmp_path / "batched")
 
 
 def interrupted(docs: Iterator[Document], after: int) -> Iterator[Document]:
