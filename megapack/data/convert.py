@@ -99,11 +99,30 @@ class DocumentBatch:
 def convert_rows(
     rows: Sequence[RawRow], tokenizer: Tokenizer, options: dict[str, Any]
 ) -> DocumentBatch:
-    """The `DocumentBatch` of ``rows`` (``options``: `record_to_document`'s keyword arguments)."""
+    """The `DocumentBatch` of ``rows`` (``options``: `record_to_document`'s keyword arguments).
+
+    The two halves, `parse_rows` (JSON, GIL-bound) and `build_batch` (``encode_batch``, which
+    releases the GIL, then the layout) may run in different threads, as `RecordReader` does.
+    """
+    return build_batch(parse_rows(rows, options), tokenizer, options)
+
+
+class ParsedRows(NamedTuple):
+    """`parse_rows`'s result: what `build_batch` needs."""
+
+    rows: Sequence[RawRow]
+    """The rows."""
+    plan: list[Any]
+    """Per row: its BadLineError, its record (for `record_to_document`), or (first text, count)
+    of a plain row whose texts are ``texts[first : first + count]``."""
+    texts: list[str]
+    """The plain rows' texts, in order, to encode in one call."""
+
+
+def parse_rows(rows: Sequence[RawRow], options: dict[str, Any]) -> ParsedRows:
+    """Parse the rows' JSON and pick out the texts of the plain ones (see the module docstring)."""
     fields: Fields = options.get("fields") or DEFAULT_FIELDS
     fmt = options.get("format", "auto")
-    append_eos = options.get("append_eos", True)
-    # Per row: a BadLineError, a record for record_to_document, or (first text, texts) of a plain row.
     plan: list[Any] = []
     texts: list[str] = []
     for row in rows:
@@ -118,6 +137,13 @@ def convert_rows(
         else:
             plan.append((len(texts), len(keys)))
             texts.extend(record[key] for key in keys)
+    return ParsedRows(rows, plan, texts)
+
+
+def build_batch(parsed: ParsedRows, tokenizer: Tokenizer, options: dict[str, Any]) -> DocumentBatch:
+    """Encode the plain rows' texts in one call, convert the others, lay the documents out."""
+    rows, plan, texts = parsed
+    append_eos = options.get("append_eos", True)
     ids = encode_all(tokenizer, texts) if texts else []
     eos = tokenizer.eos_id
     flat: list[int] = []

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
 from typing import Any
 
-from megapack.data.convert import DocumentBatch, RawRow, convert_rows
+from megapack.data.convert import DocumentBatch, RawRow, build_batch, convert_rows, parse_rows
 from megapack.data.document import Document
 from megapack.data.records import BadLineError
 from megapack.data.tokenizers import Tokenizer
@@ -216,13 +216,15 @@ class RecordReader(Iterator[Document]):
     def _ahead(self) -> Iterator[DocumentBatch]:
         """Converted batches, the next one converting in a thread while this one is consumed.
 
-        The tokenizer's ``encode_batch`` releases the GIL, so it overlaps with the caller's Python
-        work on the previous batch (writing it, planning); order is kept.
+        The tokenizer's ``encode_batch`` releases the GIL, so it overlaps with the JSON parsing of
+        the next batch (`parse_rows`, in this thread) and the caller's work on the previous one
+        (writing it); order is kept.
         """
         with ThreadPoolExecutor(1) as pool:
             pending: Future[DocumentBatch] | None = None
             for batch in self._batches():
-                future = pool.submit(convert_rows, batch, self.tokenizer, self._options)
+                parsed = parse_rows(batch, self._options)  # here, while the thread encodes
+                future = pool.submit(build_batch, parsed, self.tokenizer, self._options)
                 if pending is not None:
                     yield pending.result()
                 pending = future
