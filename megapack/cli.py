@@ -203,8 +203,9 @@ def cmd_pack(args: argparse.Namespace) -> int:
     size = path.stat().st_size if path.is_file() else None
     progress = Progress(f"packing {args.input}", input_bytes=size)
     position = (lambda: int(reader.rows_done)) if hasattr(reader, "rows_done") else None
+    source = reader.batches() if hasattr(reader, "batches") else reader  # whole batches: faster
     try:
-        meta = writer.write(reader, position=position, on_progress=progress.update)
+        meta = writer.write(source, position=position, on_progress=progress.update)
     finally:
         progress.close()
     stats = getattr(reader, "stats", None)

@@ -29,12 +29,13 @@ queries from the boundaries alone.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
 import torch
+
+from megapack.cp_pad import cp_pad_multiple as cp_pad_multiple  # torch-free home, re-exported
 
 CpLayout = Literal["document", "row"]
 CP_LAYOUTS: tuple[CpLayout, ...] = ("document", "row")
@@ -137,19 +138,6 @@ def check_cp_spans(
             f"{more} (cp_size={cp_size}, layout='document'): pack with pad_to_multiple_of={two_cp} "
             f"(--pad-multiple {two_cp}) so every document is padded, or use cp_layout='row'"
         )
-
-
-def cp_pad_multiple(cp_size: int, pad_to_multiple_of: int = 1) -> int:
-    """The multiple every document is padded to for the "document" layout: lcm(pad_to_multiple_of, 2*cp).
-
-    Example:
-        >>> cp_pad_multiple(4), cp_pad_multiple(2, 8), cp_pad_multiple(1, 3)
-        (8, 8, 3)
-    """
-    for name, value in (("cp_size", cp_size), ("pad_to_multiple_of", pad_to_multiple_of)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return pad_to_multiple_of if cp_size == 1 else math.lcm(pad_to_multiple_of, 2 * cp_size)
 
 
 def _check_cp_args(cp_size: int, cp_rank: int, layout: str) -> None:

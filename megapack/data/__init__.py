@@ -15,8 +15,11 @@
 Documents go into a batch as they are: ``PackedBatch.from_documents(docs, seq_len=4096)``.
 
 Importing this package is cheap: megatron-core (indexed datasets) and ``tokenizers`` (HF) are
-imported by the functions that need them.
+imported by the functions that need them, and torch with `PackedDataset` (its batches are torch
+tensors), on first use of the name: reading and ``megapack pack`` never import torch.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from megapack.data.arrays import (
     documents_from_array,
@@ -26,7 +29,6 @@ from megapack.data.arrays import (
     read_numpy,
 )
 from megapack.data.chat import ChatTemplate
-from megapack.data.dataset import PackedDataset
 from megapack.data.document import Document
 from megapack.data.hf_chat import ChatTemplateError, HFChatTemplate
 from megapack.data.indexed import read_indexed
@@ -38,6 +40,19 @@ from megapack.data.records import BadLineError, Fields
 from megapack.data.split import split_document
 from megapack.data.tables import TableReader, read_table
 from megapack.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from megapack.data.dataset import PackedDataset
+
+
+def __getattr__(name: str) -> Any:
+    """`PackedDataset` on first use (it imports torch; nothing else here does)."""
+    if name == "PackedDataset":
+        from megapack.data.dataset import PackedDataset
+
+        return PackedDataset
+    raise AttributeError(f"module 'megapack.data' has no attribute {name!r}")
+
 
 __all__ = [
     "BadLineError",

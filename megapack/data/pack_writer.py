@@ -6,7 +6,10 @@ plan; its memory grew with every token. The writer streams instead:
 1. documents (from any reader; long ones split at message boundaries when ``long_docs="split"``)
    are appended as they arrive to ``tokens.npy`` and ``loss_mask.npy``: raw data behind a
    fixed-size header that is filled in at the end, so the files are ordinary ``.npy`` arrays;
-   only their lengths stay in memory (8 bytes a document);
+   only their lengths stay in memory (8 bytes a document). A reader's `DocumentBatch`es
+   (`RecordReader.batches`) are written whole, a batch's arrays as they are, with no Python
+   object per document (the way ``megapack pack`` writes; a batch holding a document longer
+   than a row goes document by document);
 2. after every ``checkpoint_every`` documents the files are flushed and ``progress.json`` records
    how far they go and how many input rows produced them (a *completed shard* of the input);
 3. at the end, the plan is made from the lengths alone (`megapack.data.layout.plan_layout`, the
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+from array import array
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
@@ -35,6 +39,7 @@ from typing import IO, Any
 import numpy as np
 
 from megapack.checks import check_int
+from megapack.data.convert import DocumentBatch
 from megapack.data.document import Document
 from megapack.data.layout import check_layout, plan_layout
 from megapack.data.split import split_document
@@ -103,7 +108,7 @@ class PackWriter:
         """Input rows behind the last checkpoint: what a resumed reader skips."""
         self.documents = 0
         self.tokens = 0
-        self._lengths: list[int] = []
+        self._lengths = array("q")  # int64, 8 bytes a document
         self._start(resume)
 
     def _start(self, resume: bool) -> None:
@@ -133,7 +138,7 @@ class PackWriter:
             self.input_documents = int(state.get("input_documents", 0))
             self.split_documents = int(state.get("split_documents", 0))
             lengths = np.fromfile(self.out / "lengths.partial", dtype=np.int64)
-            self._lengths = lengths[: self.documents].tolist()
+            self._lengths.frombytes(lengths[: self.documents].tobytes())
         elif (self.out / "meta.json").is_file() and not resume:
             raise ValueError(
                 f"{self.out} already holds a finished pack (meta.json): choose another --out or "
@@ -154,16 +159,20 @@ class PackWriter:
         self._buffered = 0
 
     def write(
-        self, documents: Iterable[Document], *, position: Callable[[], int] | None = None,
+        self, documents: Iterable[Document | DocumentBatch], *,
+        position: Callable[[], int] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """Append ``documents``, plan, and finish the directory; returns its meta.
 
         Args:
-            documents: the input, positioned after ``rows_done`` rows when resuming.
+            documents: the input, positioned after ``rows_done`` rows when resuming: Documents,
+                or `DocumentBatch`es (a reader's ``batches()``; checkpoints then fall between
+                batches).
             position: input rows this run's reader consumed so far (for checkpoints; the
                 writer adds the ``rows_done`` it resumed from); default: documents read.
-            on_progress: called as ``on_progress(documents, tokens)`` after every document.
+            on_progress: called as ``on_progress(documents, tokens)`` after every document
+                (batch).
 
         Raises:
             ValueError: no documents at all, or a document the long-document policy refuses.
@@ -172,12 +181,16 @@ class PackWriter:
         start = self.rows_done
         seq_len, split = self.settings["seq_len"], self.settings["long_docs"] == "split"
         try:
-            for doc in documents:
-                seen, since = seen + 1, since + 1
-                self.input_documents += 1
-                self.split_documents += split and len(doc) > seq_len
-                for piece in split_document(doc, seq_len) if split else (doc,):
-                    self._append(piece)
+            for item in documents:
+                if isinstance(item, DocumentBatch):
+                    count = self._append_batch(item, seq_len if split else 0)
+                else:
+                    count = 1
+                    self.split_documents += split and len(item) > seq_len
+                    for piece in split_document(item, seq_len) if split else (item,):
+                        self._append(piece)
+                seen, since = seen + count, since + count
+                self.input_documents += count
                 if on_progress is not None:
                     on_progress(self.documents, self.tokens)
                 if since >= self.checkpoint_every:
@@ -188,6 +201,26 @@ class PackWriter:
             for handle in self._files.values():
                 handle.close()
         return self._finish()
+
+    def _append_batch(self, batch: DocumentBatch, split_above: int) -> int:
+        """Append a batch's documents (split those over ``split_above`` tokens, if > 0)."""
+        lengths = np.diff(batch.offsets)
+        if split_above and len(batch) and int(lengths.max()) > split_above:
+            for d in range(len(batch)):
+                doc = batch.document(d)
+                self.split_documents += len(doc) > split_above
+                for piece in split_document(doc, split_above):
+                    self._append(piece)
+            return len(batch)
+        self._buffers["tokens"].append(batch.tokens)
+        self._buffers["loss_mask"].append(batch.loss_mask)
+        self._lengths.frombytes(lengths.astype(np.int64, copy=False).tobytes())
+        self.documents += len(batch)
+        self.tokens += len(batch.tokens)
+        self._buffered += len(batch.tokens)
+        if self._buffered >= self.buffer_tokens:
+            self._flush()
+        return len(batch)
 
     def _append(self, doc: Document) -> None:
         self._buffers["tokens"].append(doc.tokens)
@@ -202,9 +235,9 @@ class PackWriter:
     def _flush(self) -> None:
         for name, parts in self._buffers.items():
             if parts:
-                self._files[name].write(
-                    np.concatenate(parts).astype(ARRAYS[name], copy=False).tobytes()
-                )
+                data = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                data = np.ascontiguousarray(data, dtype=ARRAYS[name])
+                self._files[name].write(data.data.cast("B"))  # no copy
             parts.clear()
         self._buffered = 0
 
@@ -213,7 +246,7 @@ class PackWriter:
         for handle in self._files.values():
             handle.flush()
             os.fsync(handle.fileno())
-        np.asarray(self._lengths, dtype=np.int64).tofile(self.out / "lengths.partial")
+        np.frombuffer(self._lengths, dtype=np.int64).tofile(self.out / "lengths.partial")
         state = {
             "version": PROGRESS_VERSION, "settings": self.settings, "config": self.config,
             "rows": rows, "documents": self.documents, "tokens": self.tokens,
@@ -231,13 +264,13 @@ class PackWriter:
             _write_header(self.out / f"{name}.npy", dtype, self.tokens)
         s = self.settings
         arrays, meta = plan_layout(
-            np.asarray(self._lengths, dtype=np.int64), s["seq_len"], multiple=s["multiple"],
+            np.frombuffer(self._lengths, dtype=np.int64).copy(), s["seq_len"], multiple=s["multiple"],
             cp_size=s["cp_size"], algorithm=s["algorithm"], long_docs=s["long_docs"],
             seed=s["seed"], pad_token_id=s["pad_token_id"],
         )  # fmt: skip
         meta.update(input_documents=self.input_documents, split_documents=self.split_documents)
-        for name, array in arrays.items():
-            np.save(self.out / f"{name}.npy", array)
+        for name, values in arrays.items():
+            np.save(self.out / f"{name}.npy", values)
         (self.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         for leftover in ("progress.json", "lengths.partial"):
             (self.out / leftover).unlink(missing_ok=True)

@@ -5,14 +5,17 @@ A format only says how to walk its rows: `RecordReader._rows` yields `RawRow`s, 
 already-decoded dict. Everything after that is shared and lives here:
 
 1. rows are gathered in batches of ``batch_size``;
-2. each row becomes a record (``json.loads`` for bytes), then a `Document` through
-   `record_to_document`; the batch's text fields are tokenized first with one
-   ``tokenizer.encode_batch`` call (the HF tokenizer runs it on all cores), so the per-row path
-   finds its tokens in a small cache;
+2. each batch becomes one `DocumentBatch` (`megapack.data.convert.convert_rows`: one
+   ``tokenizer.encode_batch`` call, on all cores for a HF tokenizer, and the documents laid out
+   back to back);
 3. step 2 of the next batch runs in a thread while the caller consumes this one (``encode_batch``
    releases the GIL), or, with ``workers > 1``, in a pool of forked processes; order is kept;
 4. bad rows: the first raises `BadLineError` (file, row, field, value, hint) in order, after the
    rows before it were yielded; with ``skip_bad`` they are counted in `ReaderStats`.
+
+Two ways to consume a reader, one at a time: iterate it for `Document`s (views into the batches),
+or call `RecordReader.batches` for the `DocumentBatch`es themselves (what ``megapack pack`` writes,
+without a Python object per document).
 
 ``shard=(rank, world)`` keeps every ``world``-th row (or unit of rows, see the formats), so that
 the ranks of a data-parallel group read disjoint shares covering the file exactly once.
@@ -20,20 +23,21 @@ the ranks of a data-parallel group read disjoint shares covering the file exactl
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing
 from collections import Counter
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
-from typing import Any, NamedTuple
+from typing import Any
 
-from megapack.data.chat import ChatTemplate
+from megapack.data.convert import DocumentBatch, RawRow, build_batch, convert_rows, parse_rows
 from megapack.data.document import Document
-from megapack.data.records import BadLineError, record_to_document
+from megapack.data.records import BadLineError
 from megapack.data.tokenizers import Tokenizer
+
+__all__ = ["DocumentBatch", "RawRow", "ReaderStats", "RecordReader", "check_shard"]
 
 log = logging.getLogger(__name__)  # library code logs; the CLI prints
 
@@ -68,17 +72,6 @@ class ReaderStats:
     """Skipped rows per `BadLineError.problem`, e.g. ``{"invalid JSON": 2, "unknown role": 1}``."""
     first_errors: tuple[str, ...] = ()
     """The messages of the first few skipped rows (at most `MAX_QUOTED_ERRORS`), for logs."""
-
-
-class RawRow(NamedTuple):
-    """One row before conversion: where it is and what it holds."""
-
-    where: str
-    """``"path:line"`` or ``"path:row i"``, the document's source and the prefix of errors."""
-    payload: bytes | dict[str, Any]
-    """Raw JSON bytes (JSONL, parsed here) or the row's columns as a dict (tables)."""
-    first: bool = False
-    """The first line of its file (a UTF-8 byte-order mark is allowed there)."""
 
 
 def check_shard(shard: tuple[int, int] | None) -> tuple[int, int]:
@@ -138,7 +131,10 @@ class RecordReader(Iterator[Document]):
         self._counts = {"lines": 0, "blank": 0, "documents": 0, "tokens": 0, "skipped": 0}
         self._problems: Counter[str] = Counter()
         self._errors: list[str] = []
-        self._docs = self._read()
+        self._mode = ""
+        self._converted = self._read()
+        self._docs = self._documents()
+        self._batch_iter = self._checked_batches()
 
     def _rows(self) -> Iterator[RawRow]:
         """This shard's rows, in file order (each format implements it)."""
@@ -154,11 +150,35 @@ class RecordReader(Iterator[Document]):
         )
 
     def __next__(self) -> Document:
+        self._use("documents")
         return next(self._docs)
+
+    def batches(self) -> Iterator[DocumentBatch]:
+        """The rest of the input as `DocumentBatch`es (bad rows counted or raised as documents are).
+
+        Each batch's ``rows_done`` are counted when it is yielded. Use either this or iteration
+        by documents on one reader, not both.
+
+        Raises:
+            ValueError: documents were already drawn from this reader.
+        """
+        self._use("batches")
+        return self._batch_iter
+
+    def _use(self, mode: str) -> None:
+        if self._mode != mode:
+            if self._mode:
+                raise ValueError(
+                    f"this reader is already read by {self._mode}; open a new reader to read it "
+                    f"by {mode}"
+                )
+            self._mode = mode
 
     def close(self) -> None:
         """Stop reading and close the file; later ``next`` calls raise StopIteration."""
         self._docs.close()
+        self._batch_iter.close()
+        self._converted.close()
 
     def __enter__(self) -> RecordReader:
         return self
@@ -183,149 +203,78 @@ class RecordReader(Iterator[Document]):
         if batch:
             yield batch
 
-    def _read(self) -> Generator[Document, None, None]:
+    def _read(self) -> Generator[DocumentBatch, None, None]:
         if self._workers == 1:
-            yield from self._count(self._ahead())
+            yield from self._ahead()
             return
         context = multiprocessing.get_context("fork")
         with context.Pool(
             self._workers, initializer=_init_worker, initargs=(self.tokenizer, self._options)
         ) as pool:
-            yield from self._count(pool.imap(_convert_in_worker, self._batches()))
+            yield from pool.imap(_convert_in_worker, self._batches())
 
-    def _ahead(self) -> Iterator[list[Document | BadLineError]]:
+    def _ahead(self) -> Iterator[DocumentBatch]:
         """Converted batches, the next one converting in a thread while this one is consumed.
 
-        The tokenizer's ``encode_batch`` releases the GIL, so it overlaps with the caller's Python
-        work on the previous batch (writing it, planning); order is kept.
+        The tokenizer's ``encode_batch`` releases the GIL, so it overlaps with the JSON parsing of
+        the next batch (`parse_rows`, in this thread) and the caller's work on the previous one
+        (writing it); order is kept.
         """
         with ThreadPoolExecutor(1) as pool:
-            pending: Future[list[Document | BadLineError]] | None = None
+            pending: Future[DocumentBatch] | None = None
             for batch in self._batches():
-                future = pool.submit(convert_rows, batch, self.tokenizer, self._options)
+                parsed = parse_rows(batch, self._options)  # here, while the thread encodes
+                future = pool.submit(build_batch, parsed, self.tokenizer, self._options)
                 if pending is not None:
                     yield pending.result()
                 pending = future
             if pending is not None:
                 yield pending.result()
 
-    def _count(
-        self, results: Iterator[list[Document | BadLineError]]
-    ) -> Generator[Document, None, None]:
-        for batch in results:
-            for item in batch:
+    def _documents(self) -> Generator[Document, None, None]:
+        for batch in self._converted:
+            errors = iter(batch.errors)
+            bad = next(errors, None)
+            for d in range(len(batch)):
+                while bad is not None and bad[0] == d:
+                    self._bad(bad[1])
+                    bad = next(errors, None)
+                doc = batch.document(d)
                 self.rows_done += 1
-                if isinstance(item, BadLineError):
-                    if not self._skip_bad:
-                        raise item
-                    self._counts["skipped"] += 1
-                    self._problems[item.problem] += 1
-                    log.debug("skipped %s", item)
-                    if len(self._errors) < MAX_QUOTED_ERRORS:
-                        self._errors.append(str(item))
-                    continue
                 self._counts["documents"] += 1
-                self._counts["tokens"] += len(item)
-                yield item
+                self._counts["tokens"] += len(doc)
+                yield doc
+            while bad is not None:
+                self._bad(bad[1])
+                bad = next(errors, None)
 
+    def _checked_batches(self) -> Generator[DocumentBatch, None, None]:
+        for batch in self._converted:
+            if batch.errors and not self._skip_bad:
+                before = batch.errors[0][0]
+                if before:
+                    yield self._counted(batch.head(before))
+                self._bad(batch.errors[0][1])
+            for _, error in batch.errors:
+                self._bad(error)
+            yield self._counted(batch)
 
-def convert_rows(
-    rows: Sequence[RawRow], tokenizer: Tokenizer, options: dict[str, Any]
-) -> list[Document | BadLineError]:
-    """Documents (or the error of each bad row) of a batch of rows, in order."""
-    records: list[Any] = []
-    for row in rows:
-        try:
-            records.append(_record(row))
-        except BadLineError as e:
-            records.append(e)
-    tokenizer = Prefetched(tokenizer, _texts(records, options))
-    out: list[Document | BadLineError] = []
-    for row, record in zip(rows, records, strict=True):
-        if isinstance(record, BadLineError):
-            out.append(record)
-            continue
-        try:
-            out.append(record_to_document(record, where=row.where, tokenizer=tokenizer, **options))
-        except BadLineError as e:
-            out.append(e)
-    return out
+    def _counted(self, batch: DocumentBatch) -> DocumentBatch:
+        self.rows_done += len(batch)
+        self._counts["documents"] += len(batch)
+        self._counts["tokens"] += int(batch.offsets[-1])
+        return batch
 
-
-class Prefetched:
-    """A tokenizer whose ``encode`` first looks in a cache filled by one ``encode_batch`` call."""
-
-    def __init__(self, base: Tokenizer, texts: list[str]) -> None:
-        self.base = base
-        batch = getattr(base, "encode_batch", None)
-        ids = batch(texts) if batch is not None else [base.encode(t) for t in texts]
-        self._cache: dict[str, list[int]] = dict(zip(texts, ids, strict=True))
-        self.eos_id, self.pad_id, self.bos_id = base.eos_id, base.pad_id, base.bos_id
-        self.vocab_size = base.vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        """Cached ids of ``text`` (encoded and cached on a miss, e.g. a chat header)."""
-        hit = self._cache.get(text)
-        if hit is None:
-            hit = self._cache[text] = self.base.encode(text)
-        return list(hit)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """The base tokenizer's decode."""
-        return self.base.decode(ids)
-
-
-def _texts(records: list[Any], options: dict[str, Any]) -> list[str]:
-    """The distinct string fields of the records, to encode in one batch (a model's own chat
-    template renders whole conversations itself: their contents are not worth encoding alone)."""
-    own_template = not isinstance(options.get("chat_template") or ChatTemplate(), ChatTemplate)
-    fields = options.get("fields")
-    names = (
-        (fields.text, fields.prompt, fields.completion, fields.messages)
-        if fields is not None
-        else ("text", "prompt", "completion", "messages")
-    )
-    texts: dict[str, None] = {}
-    for record in records:
-        if not isinstance(record, dict):
-            continue
-        for name in names:
-            value = record.get(name)
-            if isinstance(value, str):
-                texts[value] = None
-            elif isinstance(value, list) and not own_template:
-                for message in value:
-                    content = message.get("content") if isinstance(message, dict) else None
-                    if isinstance(content, str):
-                        texts[content] = None
-    return list(texts)
-
-
-def _record(row: RawRow) -> Any:
-    """The record of a row: the dict itself, or the parsed JSON line."""
-    if isinstance(row.payload, dict):
-        return row.payload
-    raw = row.payload
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadLineError(
-            row.where,
-            "<line>",
-            "invalid UTF-8",
-            raw,
-            f"bad byte at offset {e.start} of the line; re-encode the file as UTF-8",
-        ) from e
-    if row.first:
-        text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark some editors write
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        reason = e.msg.removesuffix(" at")  # json's "Invalid control character at"
-        hint = f"{reason} at column {e.colno}; each line must be one complete JSON object"
-        if row.first and text.lstrip().startswith("["):
-            hint += " (this looks like a JSON array: write one element per line instead)"
-        raise BadLineError(row.where, "<line>", "invalid JSON", text.rstrip("\r\n"), hint) from e
+    def _bad(self, error: BadLineError) -> None:
+        """A bad row: raise it, or (``skip_bad``) count it."""
+        self.rows_done += 1
+        if not self._skip_bad:
+            raise error
+        self._counts["skipped"] += 1
+        self._problems[error.problem] += 1
+        log.debug("skipped %s", error)
+        if len(self._errors) < MAX_QUOTED_ERRORS:
+            self._errors.append(str(error))
 
 
 def _init_worker(tokenizer: Tokenizer, options: dict[str, Any]) -> None:
@@ -333,7 +282,7 @@ def _init_worker(tokenizer: Tokenizer, options: dict[str, Any]) -> None:
     _WORKER_STATE["tokenizer"], _WORKER_STATE["options"] = tokenizer, options
 
 
-def _convert_in_worker(rows: list[RawRow]) -> list[Document | BadLineError]:
+def _convert_in_worker(rows: list[RawRow]) -> DocumentBatch:
     return convert_rows(rows, _WORKER_STATE["tokenizer"], _WORKER_STATE["options"])
 
 

@@ -238,9 +238,12 @@ class HFTokenizer:
         return list(self.backend.encode(text, add_special_tokens=False).ids)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """`encode` of every text, in parallel on all cores (the Rust ``encode_batch``)."""
-        encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
-        return [e.ids for e in encodings]
+        """`encode` of every text, in parallel on all cores (the Rust ``encode_batch_fast``, which
+        skips the character offsets nobody here reads: about 20% less CPU, the same ids; plain
+        ``encode_batch`` on ``tokenizers`` older than 0.21)."""
+        fast = getattr(self.backend, "encode_batch_fast", None)
+        encode = fast if fast is not None else self.backend.encode_batch
+        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` with special tokens skipped."""

@@ -71,6 +71,8 @@ def test_hf_tokenizer_from_file_finds_common_special_tokens(tmp_path: Path) -> N
     assert tok.decode([*ids, tok.eos_id]) == "hello world"
     assert tok.encode("hello zebra")[1] == 3  # unknown word -> <unk>
     assert isinstance(tok, Tokenizer)
+    texts = [*SENTENCES, "hello zebra", "", "  cat  "]
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]  # encode_batch_fast: same ids
 
 
 @needs_tokenizers
