@@ -98,6 +98,29 @@ def standard_positions(bounds: torch.Tensor, rows: int, cols: int) -> torch.Tens
     return (torch.arange(total, device=bounds.device) - starts_t).view(rows, cols)
 
 
+def restarts_at(positions: torch.Tensor, bounds: torch.Tensor) -> bool | None:
+    """Whether host [1, T] ``positions`` equal `standard_positions` of ``bounds``; None: not decided
+    here (a device tensor, or bounds that do not end at T: compare with the reference instead).
+
+    Standard means 0 at every segment start and +1 everywhere else, which one difference pass
+    checks without building the reference. Example: bounds [0, 3, 5], positions [[0, 1, 2, 0, 1]]
+    -> differences [1, 1, -2, 1], starts [0, 3]: True.
+    """
+    if not _host(positions, bounds) or positions.shape[0] != 1:
+        return None
+    b, p = bounds.numpy(), positions.numpy()[0]
+    if len(b) < 2 or b[0] != 0 or b[-1] != p.size or p.size == 0:
+        return None
+    if p.dtype != np.int64:
+        return None
+    starts = b[:-1][b[:-1] < p.size]
+    if (p[starts] != 0).any():
+        return False
+    steps = p[1:] - p[:-1]
+    steps[starts[starts > 0] - 1] = 1  # the drop into each later segment's 0 (checked above)
+    return bool((steps == 1).all())
+
+
 def shift_exceptions(
     labels: torch.Tensor, tokens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
