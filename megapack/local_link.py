@@ -119,7 +119,7 @@ class LocalLink:
             try:
                 if self.sent:  # the peer has taken the previous frame
                     _recv_exact(sock, memoryview(bytearray(1)), deadline)
-                _send_all(sock, [prefix, *buffers], deadline)
+                _send_all(sock, [memoryview(prefix), *buffers], deadline)
             except (OSError, EOFError) as exc:
                 self._fail(exc, what, seconds, peer, "sending to")
         self.sent += 1
@@ -274,14 +274,16 @@ def _accept(listener: socket.socket, count: int, what: str) -> dict[int, socket.
 
 
 def _buffer(part: Any) -> memoryview:
+    """A flat byte view of ``part`` (bytes-like, or a CPU tensor), without a copy where it can."""
     if isinstance(part, torch.Tensor):
+        if part.dtype == torch.uint8 and part.dim() == 1 and part.is_contiguous():
+            return part.numpy().data  # the pieces `encode_fields` gives: no reshaping needed
         return part.contiguous().view(torch.uint8).numpy().reshape(-1).data
     return memoryview(part).cast("B")
 
 
-def _send_all(sock: socket.socket, buffers: list[Any], deadline: float) -> None:
-    views = [memoryview(b).cast("B") for b in buffers]
-    views = [v for v in views if len(v)]
+def _send_all(sock: socket.socket, buffers: list[memoryview], deadline: float) -> None:
+    views = [v for v in buffers if len(v)]
     while views:
         sock.settimeout(max(deadline - time.monotonic(), 1e-3))
         sent = sock.sendmsg(views)
