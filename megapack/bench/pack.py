@@ -182,7 +182,7 @@ def run_pack(sizes: list[int], repeats: int = 1) -> list[dict[str, Any]]:
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The section's table and its memory verdict."""
     head = (
-        "## Pack: `megapack pack` vs bare read + json + encode_batch (same JSONL, BPE tokenizer)\n\n"
+        "## Pack: `megapack pack` vs bare read + json + encode_batch_fast (same JSONL, BPE tokenizer)\n\n"
         f"| documents | input MB | tokens | bare s | pack s | pack / bare (target <= {TARGET_RATIO}) "
         "| bare MB/s | pack MB/s | bare peak MiB | pack peak MiB | token array MiB | verdict |\n"
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
