@@ -213,8 +213,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return head + body
 
 
-if __name__ == "__main__":  # python -m megapack.bench.pack [documents ...]
+if __name__ == "__main__":  # python -m megapack.bench.pack [documents ...] [--repeats N]
+    import argparse
+
+    cli = argparse.ArgumentParser(description="the bench's pack section alone")
+    cli.add_argument("documents", type=int, nargs="*", default=[5_000, 50_000])
+    cli.add_argument("--repeats", type=int, default=3, help="runs of each, alternating (median)")
+    options = cli.parse_args()
     started = time.perf_counter()
-    result = run_pack([int(a) for a in sys.argv[1:]] or [2000, 20000])
+    result = run_pack(options.documents, options.repeats)
     print(markdown(result))
     print(f"({time.perf_counter() - started:.0f} s)")
