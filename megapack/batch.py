@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -308,11 +309,7 @@ def make_packed_seq_params(
     (Megatron's hybrid CP). A release without ``cp_group`` reads it from the model config instead,
     so it is left out; any other value the release has no field for is a ValueError naming it.
     """
-    from megapack.quiet import quiet_megatron
-
-    with quiet_megatron():  # lazy: importing megatron takes ~5 s
-        from megatron.core.packed_seq_params import PackedSeqParams
-
+    params_class, known = _packed_seq_params_class()
     values: dict[str, Any] = {
         "qkv_format": "thd",
         "cu_seqlens_q": cu_seqlens,
@@ -324,19 +321,35 @@ def make_packed_seq_params(
         "cp_group": cp_group,
         "local_cp_size": local_cp_size,
     }
-    known = _fields_of(PackedSeqParams)
     missing = [k for k, v in values.items() if k not in known and v is not None and k != "cp_group"]
     if missing:
         raise ValueError(
             f"this megatron-core's PackedSeqParams has no field {missing[0]!r} (given "
             f"{values[missing[0]]!r}); upgrade megatron-core (local_cp_size needs hybrid CP support)"
         )
-    return PackedSeqParams(**{k: v for k, v in values.items() if k in known})
+    return params_class(**{k: v for k, v in values.items() if k in known})
+
+
+def _packed_seq_params_class() -> tuple[type[PackedSeqParams], frozenset[str]]:
+    """megatron-core's PackedSeqParams and its field names (this runs on every transfer call).
+
+    Imported lazily (importing megatron takes ~5 s), with its warnings quieted only that first
+    time: entering `quiet_megatron` costs more than the rest of a call.
+    """
+    module: Any = sys.modules.get("megatron.core.packed_seq_params")
+    if module is None:
+        from megapack.quiet import quiet_megatron
+
+        with quiet_megatron():
+            import megatron.core.packed_seq_params
+
+        module = megatron.core.packed_seq_params
+    return module.PackedSeqParams, _fields_of(module.PackedSeqParams)
 
 
 @functools.cache
 def _fields_of(cls: type) -> frozenset[str]:
-    """A dataclass's field names (read once: this runs on every transfer call)."""
+    """A dataclass's field names (read once per class)."""
     return frozenset(f.name for f in dataclasses.fields(cls))
 
 

@@ -121,11 +121,7 @@ def compact(
         pieces["tokens"] = narrow if narrow is not None else tokens
     positions = tensors.get("position_ids") if "position_ids" in present else None
     if positions is not None:
-        rows, cols = positions.shape
-        reference = (
-            _reference(layout, tensors, rows, cols, share, positions.device) if enabled else None
-        )
-        if reference is not None and torch.equal(as_dtype(positions, torch.int64), reference):
+        if enabled and _standard(layout, tensors, positions, share):
             flags |= Lean.POSITIONS_DERIVED
         else:
             pieces["position_ids"] = positions
@@ -174,6 +170,24 @@ def expand(
             else views["loss_mask"]
         )
     return out
+
+
+def _standard(
+    layout: Layout,
+    fields: Mapping[str, torch.Tensor | None],
+    positions: torch.Tensor,
+    share: Share,
+) -> bool:
+    """Whether ``positions`` are the standard positions receivers rebuild (`_reference`)."""
+    bounds = fields.get("cu_seqlens_padded")
+    bounds = bounds if bounds is not None else fields.get("cu_seqlens")
+    if layout == Layout.PACKED and share.cp_size == 1 and bounds is not None:
+        fast = lean.restarts_at(positions, bounds)  # no reference built: two passes, not five
+        if fast is not None:
+            return fast
+    rows, cols = positions.shape
+    reference = _reference(layout, fields, rows, cols, share, positions.device)
+    return torch.equal(as_dtype(positions, torch.int64), reference)
 
 
 def _reference(

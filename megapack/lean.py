@@ -80,10 +80,11 @@ def standard_positions(bounds: torch.Tensor, rows: int, cols: int) -> torch.Tens
             return torch.from_numpy(np.tile(np.arange(cols, dtype=np.int64), (rows, 1)))
         return torch.arange(cols, device=bounds.device).expand(rows, cols).contiguous()
     if _host(bounds):
-        b = bounds.numpy().astype(np.int64)
+        b = bounds.numpy()
         if b[-1] == total:  # the usual case: one repeat, no scatter
-            starts = np.repeat(b[:-1], np.diff(b))
+            starts = np.repeat(b[:-1], b[1:] - b[:-1])
         else:
+            b = b.astype(np.int64)
             inner = b[1:-1][b[1:-1] < total]
             starts = np.zeros(total, dtype=np.int64)
             starts[inner] = inner
@@ -95,6 +96,29 @@ def standard_positions(bounds: torch.Tensor, rows: int, cols: int) -> torch.Tens
     starts_t.scatter_(0, inner_t, inner_t)
     starts_t = torch.cummax(starts_t, 0).values
     return (torch.arange(total, device=bounds.device) - starts_t).view(rows, cols)
+
+
+def restarts_at(positions: torch.Tensor, bounds: torch.Tensor) -> bool | None:
+    """Whether host [1, T] ``positions`` equal `standard_positions` of ``bounds``; None: not decided
+    here (a device tensor, or bounds that do not end at T: compare with the reference instead).
+
+    Standard means 0 at every segment start and +1 everywhere else, which one difference pass
+    checks without building the reference. Example: bounds [0, 3, 5], positions [[0, 1, 2, 0, 1]]
+    -> differences [1, 1, -2, 1], starts [0, 3]: True.
+    """
+    if not _host(positions, bounds) or positions.shape[0] != 1:
+        return None
+    b, p = bounds.numpy(), positions.numpy()[0]
+    if len(b) < 2 or b[0] != 0 or b[-1] != p.size or p.size == 0:
+        return None
+    if p.dtype != np.int64:
+        return None
+    starts = b[:-1][b[:-1] < p.size]
+    if (p[starts] != 0).any():
+        return False
+    steps = p[1:] - p[:-1]
+    steps[starts[starts > 0] - 1] = 1  # the drop into each later segment's 0 (checked above)
+    return bool((steps == 1).all())
 
 
 def shift_exceptions(

@@ -39,6 +39,7 @@ from megapack.cp import CP_LAYOUTS, CpLayout
 from megapack.cp_share import take_cp_share
 from megapack.errors import ProtocolError, RemoteDataError
 from megapack.inputs import Layout, normalize
+from megapack.local_link import LocalLink, link_for
 from megapack.side_groups import control_group
 from megapack.split_transfer import receive_split, send_split, split_control
 from megapack.sync import check_in_sync, debug_sync_enabled
@@ -52,6 +53,7 @@ from megapack.wire import (
     decode,
     encode_fields,
     join,
+    source_outputs,
 )
 
 __all__ = ["FIELDS", "OUTPUT_KEYS", "get_batch_on_this_tp_rank"]
@@ -170,11 +172,12 @@ def _send(
 ) -> dict[str, Any]:
     error: Exception | None = None
     chunks: list[torch.Tensor] = []
+    fields: dict[str, torch.Tensor | None] = {}
     try:
         if data_iterator is None:
             header = _without_iterator(topo, options)
         else:
-            header, chunks = _encode_item(next(data_iterator), topo, options)
+            header, chunks, fields = _encode_item(next(data_iterator), topo, options)
     except StopIteration:
         header, chunks = Header(status=Status.STOP, stage=topo.stage), []
     except Exception as exc:
@@ -188,6 +191,9 @@ def _send(
         )
     if (control := split_control(topo)) is not None:
         payload = send_split(header, chunks, topo, control, timeout)
+    elif (link := _link(topo, timeout)) is not None:
+        payload = join(chunks, topo.device)
+        link.send([header.to_bytes(), payload], what=_what(topo, "frame"), timeout=timeout)
     else:
         payload = _send_frame(header, chunks, topo, state, timeout)
     _settle(state, header)
@@ -195,6 +201,8 @@ def _send(
         raise StopIteration
     if error is not None:
         raise error
+    if topo.device.type == "cpu":  # the fields it encoded are what every peer decodes
+        return source_outputs(header, fields, cp_group=topo.cp_group)
     return decode(
         header, payload, cp_group=topo.cp_group, cp_size=topo.cp_size, cp_rank=topo.cp_rank
     )
@@ -202,8 +210,8 @@ def _send(
 
 def _encode_item(
     item: Any, topo: Topology, options: _SourceOptions
-) -> tuple[Header, list[torch.Tensor]]:
-    """Normalize, take this CP rank's share, encode for this stage."""
+) -> tuple[Header, list[torch.Tensor], dict[str, torch.Tensor | None]]:
+    """Normalize, take this CP rank's share, encode for this stage; also the fields encoded."""
     layout, tensors, scalars = normalize(item)
     if options.packed is not None and (layout == Layout.PACKED) != options.packed:
         raise ValueError(
@@ -223,7 +231,8 @@ def _encode_item(
         tp_size=topo.tp_size, sequence_parallel=options.sequence_parallel, stage=topo.stage,
     )  # fmt: skip
     share = Share(topo.cp_size, topo.cp_rank, options.cp_layout)
-    return encode_fields(layout, tensors, scalars, topo.stage, topo.device, share=share)
+    header, chunks = encode_fields(layout, tensors, scalars, topo.stage, topo.device, share=share)
+    return header, chunks, tensors
 
 
 def _without_iterator(topo: Topology, options: _SourceOptions) -> Header:
@@ -247,6 +256,10 @@ def _without_iterator(topo: Topology, options: _SourceOptions) -> Header:
 def _receive(topo: Topology, state: _GroupState, timeout: float | None) -> dict[str, Any]:
     if (control := split_control(topo)) is not None:
         header, payload = receive_split(topo, control, timeout)
+    elif (link := _link(topo, timeout)) is not None:
+        body = link.receive(what=_what(topo, "frame"), timeout=timeout)
+        header = Header.from_bytes(body.numpy())
+        payload = body[HEADER_BYTES:]
     else:
         header, payload = _receive_frame(topo, state, timeout)
     _settle(state, header)
@@ -311,7 +324,18 @@ def _settle(state: _GroupState, header: Header) -> None:
         state.capacity = -(-(n + n // 8 + 256) // 1024) * 1024
 
 
+def _link(topo: Topology, timeout: float | None) -> LocalLink | None:
+    """The TP group's local link (frames over Unix sockets, `megapack.local_link`) when it has one."""
+    if topo.tp_size == 1 or topo.device.type != "cpu":
+        return None
+    return link_for(topo.tp_group, topo.src_rank, timeout=timeout)
+
+
+def _what(topo: Topology, part: str) -> str:
+    return f"get_batch_on_this_tp_rank {part} from TP source rank {topo.src_rank}"
+
+
 def _broadcast(tensor: torch.Tensor, topo: Topology, timeout: float | None, part: str) -> None:
     if topo.tp_size > 1:
-        what = f"get_batch_on_this_tp_rank {part} broadcast from TP source rank {topo.src_rank}"
+        what = _what(topo, f"{part} broadcast")
         comm.broadcast(tensor, topo.src_rank, group=topo.tp_group, what=what, timeout=timeout)

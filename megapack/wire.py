@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import enum
 import math
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -83,6 +85,7 @@ OUTPUT_KEYS = (*(f.name for f in FIELDS), *SCALAR_KEYS, "packed_seq_params")
 MAGIC = 0x4D50_0004  # "MP" + protocol version 4 (lean grid fields: `megapack.codec`)
 HEADER_LEN = 24
 HEADER_BYTES = HEADER_LEN * 8
+_HEADER_STRUCT = struct.Struct(f"={HEADER_LEN}q")  # native, as the int64 tensor it travels in
 STAGE_CODES = {stage: i for i, stage in enumerate(Stage)}
 
 
@@ -116,17 +119,37 @@ class Header:
     cp_layout: int = 0
     """Index in `megapack.cp.CP_LAYOUTS` of the source's CP layout (receivers rebuild positions)."""
 
+    def to_bytes(self) -> bytes:
+        """The header's HEADER_BYTES bytes (24 native int64, as `to_tensor` holds them)."""
+        return _HEADER_STRUCT.pack(
+            MAGIC, self.status, STAGE_CODES[self.stage], self.layout, self.rows, self.cols,
+            self.n_cu, self.n_cu_padded, self.max_seqlen, self.field_mask, self.nbytes,
+            *self.mask_shape, self.samples, self.local_cp_size, self.codec, self.exceptions,
+            self.cp_layout, 0, 0, 0, 0,
+        )  # fmt: skip
+
     def to_tensor(self, device: torch.device) -> torch.Tensor:
-        values = [MAGIC, self.status, STAGE_CODES[self.stage], self.layout, self.rows, self.cols]
-        values += [self.n_cu, self.n_cu_padded, self.max_seqlen, self.field_mask, self.nbytes]
-        values += [*self.mask_shape, self.samples, self.local_cp_size]
-        values += [self.codec, self.exceptions, self.cp_layout]
-        values += [0] * (HEADER_LEN - len(values))
-        return torch.tensor(values, dtype=torch.int64).to(device)
+        host = torch.frombuffer(bytearray(self.to_bytes()), dtype=torch.int64)
+        return host if device.type == "cpu" else host.to(device)
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> Header:
-        v = tensor.tolist()  # the one device-to-host sync of a receiver
+        if tensor.is_cpu:  # no device-to-host copy: read the bytes
+            return cls.from_bytes(tensor.contiguous().view(torch.uint8).numpy().data)
+        return cls._from_values(tensor.tolist())  # the one device-to-host sync of a receiver
+
+    @classmethod
+    def from_bytes(cls, raw: Any) -> Header:
+        """The header in the first HEADER_BYTES of ``raw`` (a bytes-like object)."""
+        if (size := memoryview(raw).nbytes) < HEADER_BYTES:
+            raise ProtocolError(
+                f"megapack header has {size} bytes, not {HEADER_BYTES}: TP ranks are out of step "
+                "(every TP rank must call get_batch_on_this_tp_rank once per micro-step)"
+            )
+        return cls._from_values(_HEADER_STRUCT.unpack_from(raw))
+
+    @classmethod
+    def _from_values(cls, v: Any) -> Header:
         if v[0] != MAGIC:
             raise ProtocolError(
                 f"megapack header magic {v[0]:#x} != {MAGIC:#x}: TP ranks are out of step (every TP rank "
@@ -204,11 +227,17 @@ def encode_fields(
         "exceptions": exceptions,
         "cp_layout": share.layout_code,
     }
-    chunks, nbytes = [], 0
+    parts: list[torch.Tensor] = []
     for name, dtype, _ in pieces(Header(**fields)):
         t = values[name] if name in values else tensors[name]
         assert t is not None  # pieces() lists present fields only
-        raw = as_dtype(t, dtype).contiguous().view(-1).view(torch.uint8)
+        parts.append(as_dtype(t, dtype))
+    if all(t.is_cpu for t in parts):  # the usual case: one host buffer, filled in place
+        payload = _assemble(parts)
+        return Header(**fields, nbytes=payload.numel()), _to_device([payload], device)
+    chunks, nbytes = [], 0
+    for t in parts:
+        raw = t.contiguous().view(-1).view(torch.uint8)
         chunks.append(raw)
         nbytes += raw.numel()
         if pad := -nbytes % 8:
@@ -217,6 +246,22 @@ def encode_fields(
     return Header(**fields, nbytes=nbytes), _to_device(chunks, device)
 
 
+def _assemble(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Host pieces copied into one uint8 payload, each at an 8-byte aligned offset (zero gaps)."""
+    sizes = [t.numel() * t.element_size() for t in parts]
+    payload = torch.empty(sum(n + (-n % 8) for n in sizes), dtype=torch.uint8)
+    buf = payload.numpy()
+    offset = 0
+    for t, n in zip(parts, sizes, strict=True):
+        if n:
+            buf[offset : offset + n] = t.numpy().reshape(-1).view(np.uint8)
+        buf[offset + n : offset + n + (-n % 8)] = 0
+        offset += n + (-n % 8)
+    return payload
+
+
+_NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32,
+          torch.uint8: np.uint8, torch.bool: np.bool_}  # fmt: skip
 _ZEROS = torch.zeros(8, dtype=torch.uint8)  # alignment padding (read-only)
 
 
@@ -261,9 +306,14 @@ def decode(
     out: dict[str, Any] = dict.fromkeys(OUTPUT_KEYS)
     views: dict[str, torch.Tensor] = {}
     offset = 0
+    host = payload.numpy() if payload.is_cpu else None  # numpy views: ~5x cheaper than torch's
     for name, dtype, shape in pieces(header):
         size = math.prod(shape) * dtype.itemsize
-        views[name] = payload[offset : offset + size].view(dtype).view(shape)
+        views[name] = (
+            torch.from_numpy(host[offset : offset + size].view(_NUMPY[dtype]).reshape(shape))
+            if host is not None
+            else payload[offset : offset + size].view(dtype).view(shape)
+        )
         offset += size + (-size % 8)
     present = frozenset(f.name for i, f in enumerate(FIELDS) if header.field_mask >> i & 1)
     for f in FIELDS:
@@ -272,6 +322,37 @@ def decode(
     share = Share(cp_size, cp_rank, CP_LAYOUTS[header.cp_layout])
     out |= expand(views, present, header.codec, header.layout, out, header.rows, header.cols,
                   share, payload.device)  # fmt: skip
+    return _with_scalars(out, header, cp_group)
+
+
+def source_outputs(
+    header: Header,
+    tensors: Mapping[str, torch.Tensor | None],
+    *,
+    cp_group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """`decode`'s output on the source, from the host fields it encoded ``header``'s payload from.
+
+    Every lean form is exact (`megapack.codec`; property-tested against the full encoding), so this
+    equals ``decode(header, payload)`` bit for bit without rebuilding anything: each field the stage
+    returns, in its wire dtype, copied (contiguous) so the output never aliases the data iterator's
+    batch. For CPU transfers; a device transfer decodes its device payload.
+    """
+    out: dict[str, Any] = dict.fromkeys(OUTPUT_KEYS)
+    for i, f in enumerate(FIELDS):
+        if header.field_mask >> i & 1 and (t := tensors.get(f.name)) is not None:
+            out[f.name] = (
+                t.clone(memory_format=torch.contiguous_format)
+                if t.dtype == f.dtype
+                else t.to(f.dtype, memory_format=torch.contiguous_format)
+            )
+    return _with_scalars(out, header, cp_group)
+
+
+def _with_scalars(
+    out: dict[str, Any], header: Header, cp_group: dist.ProcessGroup | None
+) -> dict[str, Any]:
+    """``out`` with the header's Python ints and, for packed batches, its PackedSeqParams."""
     if header.layout == Layout.PACKED:
         out["max_seqlen"] = header.max_seqlen
         out["local_cp_size"] = None if header.local_cp_size < 0 else header.local_cp_size

@@ -215,6 +215,7 @@ def plots(results: dict[str, Any], directory: str) -> list[Path]:
             )
             for key, style in (
                 ("megapack_ms", "-o"),
+                ("megapack_gloo_ms", "-.x"),
                 ("per_tensor_ms", "--s"),
                 ("bare_megatron_ms", ":^"),
                 ("bare_payload_ms", ":v"),

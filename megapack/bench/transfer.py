@@ -1,6 +1,10 @@
 """Transfer benchmark: one micro-batch from the TP source to its peers, five ways, side by side.
 
-* ``megapack``: `megapack.get_batch_on_this_tp_rank`, validation and PackedSeqParams included.
+* ``megapack``: `megapack.get_batch_on_this_tp_rank`, validation and PackedSeqParams included,
+  as it runs by default: TP peers on one host get the frame over a local link
+  (`megapack.local_link`, Unix sockets; no gloo collective per call).
+* ``megapack_gloo``: the same call with links off ($MEGAPACK_LOCAL_LINK=0): one gloo broadcast
+  of the frame, the transport of TP groups spread over hosts (shown so the link's share is plain).
 * ``per_tensor``: what Megatron-LM's ``get_batch_on_this_tp_rank`` does for a packed batch: one
   broadcast per tensor (tokens, labels, loss_mask, position_ids), a broadcast of the ``cu_seqlens``
   length followed by a host sync (``.item()``) to allocate, the ``cu_seqlens`` broadcast, and a
@@ -13,7 +17,7 @@
   reported as the time the step spends blocked in ``next()`` and the step time over the compute
   time (the sleep's measured length), medians of the slowest rank per step.
 
-The first four alternate within every repeat (so drift hits all alike); each sample is the slowest
+The first five alternate within every repeat (so drift hits all alike); each sample is the slowest
 rank's time for one call (the call is done when every rank has its batch), and the median over
 repeats is reported. Runs inside a process group whose ranks form one TP group (single stage).
 Bytes per stage are megapack's payload for each pipeline stage's fields (`megapack.wire.FIELDS`).
@@ -33,12 +37,13 @@ import torch.distributed as dist
 
 from megapack.batch import PackedBatch
 from megapack.grid import grid_topology
+from megapack.local_link import local_links
 from megapack.prefetcher import prefetch
 from megapack.topology import Stage, Topology
 from megapack.transfer import get_batch_on_this_tp_rank
 from megapack.wire import encode
 
-METHODS = ("megapack", "per_tensor", "bare_megatron", "bare_payload")
+METHODS = ("megapack", "megapack_gloo", "per_tensor", "bare_megatron", "bare_payload")
 _TENSORS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens")
 PREFETCH_DEPTH = 2
 COMPUTE_MS_PER_4K = 5.0  # the simulated compute step: 5 ms per 4,096 tokens
@@ -144,6 +149,10 @@ def run_transfer(seq_lens: list[int], repeats: int, warmup: int) -> list[dict[st
         def megapack_call(b: PackedBatch = batch) -> None:
             get_batch_on_this_tp_rank(iter([b]) if topo.is_source else None, topology=topo)
 
+        def megapack_gloo_call(b: PackedBatch = batch) -> None:
+            with local_links(False):
+                get_batch_on_this_tp_rank(iter([b]) if topo.is_source else None, topology=topo)
+
         def per_tensor_call(b: PackedBatch = on_device) -> None:
             _per_tensor(b, topo.src_rank, topo.tp_group, topo.device, topo.is_source)
 
@@ -152,6 +161,7 @@ def run_transfer(seq_lens: list[int], repeats: int, warmup: int) -> list[dict[st
 
         calls: dict[str, Callable[[], None]] = {
             "megapack": megapack_call,
+            "megapack_gloo": megapack_gloo_call,
             "per_tensor": per_tensor_call,
             "bare_megatron": bare(bare_megatron),
             "bare_payload": bare(bare_payload),
@@ -189,6 +199,7 @@ def verdicts(row: dict[str, Any]) -> dict[str, Any]:
         "vs_bare_megatron": row["megapack_ms"] / row["bare_megatron_ms"],
         "vs_bare_payload": row["megapack_ms"] / row["bare_payload_ms"],
         "vs_per_tensor": row["megapack_ms"] / row["per_tensor_ms"],
+        "gloo_vs_bare_payload": row["megapack_gloo_ms"] / row["bare_payload_ms"],
         "blocked_vs_bare_payload": row["prefetch_blocked_ms"] / row["bare_payload_ms"],
         "step_vs_compute": row["prefetch_step_ms"] / row["compute_ms"],
     }
@@ -201,16 +212,18 @@ def verdicts(row: dict[str, Any]) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]]) -> str:
     """Two markdown tables (latency with verdicts; bytes per stage) for the report and the README."""
     head = (
-        "| tp | seq_len | megapack | per-tensor (Megatron-style) | bare, Megatron's bytes | "
+        "| tp | seq_len | megapack | megapack, gloo frames (links off) | per-tensor (Megatron-style) "
+        "| bare, Megatron's bytes | "
         "bare, megapack's payload | megapack / bare Megatron (target <= 1.0, goal 0.6) | "
         "megapack / bare payload (target <= 1.3) | prefetch: blocked in next() | "
         "blocked / bare payload (target <= 0.25) | step / compute (target <= 1.05) |"
     )
-    lines = [head, "|" + " --- |" * 11]
+    lines = [head, "|" + " --- |" * 12]
     for r in rows:
         v = verdicts(r)
         lines.append(
-            f"| {r['tp']} | {r['seq_len']:,} | {r['megapack_ms']:.3f} | {r['per_tensor_ms']:.3f} | "
+            f"| {r['tp']} | {r['seq_len']:,} | {r['megapack_ms']:.3f} | {r['megapack_gloo_ms']:.3f} | "
+            f"{r['per_tensor_ms']:.3f} | "
             f"{r['bare_megatron_ms']:.3f} | {r['bare_payload_ms']:.3f} | {v['vs_bare_megatron_verdict']} | "
             f"{v['vs_bare_payload_verdict']} | {r['prefetch_blocked_ms']:.3f} | "
             f"{v['blocked_vs_bare_payload_verdict']} | {v['step_vs_compute_verdict']} |"

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megapack import PackedBatch, Topology, get_batch_on_this_tp_rank
 from megapack.cp import CP_LAYOUTS, cp_indices
+from megapack.local_link import local_links
 from megapack.testing.grids import CP_GRIDS, Grid, grid_topology
 from tests.functional.test_tp_pp_grid import COLLECTIVES, TENSOR_KEYS, expected
 
@@ -146,12 +147,20 @@ def _summary(out: dict[str, Any]) -> dict[str, Any]:
     return rec
 
 
-def run_cp_grid(tp: int, pp: int, cp: int, use_megatron: bool = False) -> dict[str, Any]:
+def run_cp_grid(
+    tp: int, pp: int, cp: int, use_megatron: bool = False, links: bool = True
+) -> dict[str, Any]:
     """Both layouts x micro-batch sizes 1 and 2 on one process group: every call's output and sizes.
 
     With ``use_megatron`` the Topology comes from megatron-core's parallel_state instead, and
-    must equal the hand-built one of the same grid.
+    must equal the hand-built one of the same grid. ``links``: TP peers on local links (the
+    default on one host) or gloo frames, whose every collective size is recorded.
     """
+    with local_links(links):
+        return _run_cp_grid(tp, pp, cp, use_megatron)
+
+
+def _run_cp_grid(tp: int, pp: int, cp: int, use_megatron: bool) -> dict[str, Any]:
     topo = grid_topology(tp, pp, cp)  # cp_layout "document" on the Topology, "row" per call
     if use_megatron:
         from megatron.core import parallel_state
@@ -231,7 +240,9 @@ def check_rank(r: dict[str, Any], cp: int) -> None:
 
 @pytest.mark.parametrize("grid", CP_GRIDS, ids=lambda g: g.id)
 def test_cp_grid_every_rank_gets_its_share(dist_pool: Any, grid: Grid) -> None:
-    results = dist_pool.run(run_cp_grid, grid.world_size, grid.tp, grid.pp, grid.cp, timeout=120)
+    results = dist_pool.run(
+        run_cp_grid, grid.world_size, grid.tp, grid.pp, grid.cp, False, False, timeout=120
+    )
     for r in results:
         check_rank(r, grid.cp)
     # Every collective of every call has the same size on every rank of a TP group.
@@ -246,6 +257,19 @@ def test_cp_grid_every_rank_gets_its_share(dist_pool: Any, grid: Grid) -> None:
             assert all(len(v) >= len(stream(1, grid.cp)) for v in logs[0].values()), ranks
 
 
+@pytest.mark.parametrize("grid", [Grid(2, 1, 2), Grid(2, 2, 2)], ids=lambda g: g.id)
+def test_cp_grid_over_local_links(dist_pool: Any, grid: Grid) -> None:
+    # The same calls with TP peers on local links: the same outputs, and no collective after the
+    # link's set-up (a broadcast and an all-reduce on the first call).
+    results = dist_pool.run(
+        run_cp_grid, grid.world_size, grid.tp, grid.pp, grid.cp, False, True, timeout=120
+    )
+    for r in results:
+        check_rank(r, grid.cp)
+        sizes = [v["sizes"] for v in r["runs"].values()]
+        assert len(sizes[0]) == 2 and not any(sizes[1:]), (r["tp_ranks"], sizes)
+
+
 def test_cp_topology_from_megatron_parallel_state(dist_pool: Any) -> None:
     grid = Grid(2, 2, 2)
     results = dist_pool.run(run_cp_grid, 8, grid.tp, grid.pp, grid.cp, True, timeout=120)
@@ -254,7 +278,13 @@ def test_cp_topology_from_megatron_parallel_state(dist_pool: Any) -> None:
 
 
 def run_bytes(tp: int, cp: int, n_rows: int) -> int:
-    """Bytes this rank's collectives moved for ``n_rows`` rows of 4096 tokens (16 documents each)."""
+    """Bytes this rank's collectives moved for ``n_rows`` rows of 4096 tokens (16 documents each),
+    on gloo frames (links off: a local link moves the same frames without collectives)."""
+    with local_links(False):
+        return _run_bytes(tp, cp, n_rows)
+
+
+def _run_bytes(tp: int, cp: int, n_rows: int) -> int:
     topo = grid_topology(tp, 1, cp)
     log = _record_collectives()
     rows = [

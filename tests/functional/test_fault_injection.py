@@ -21,6 +21,7 @@ import pytest
 import torch.distributed as dist
 
 import megapack
+from megapack.local_link import local_links
 from megapack.testing.grids import grid_topology
 from megapack.testing.pool import WorkerPool
 from megapack.testing.split_path import force_split_path
@@ -148,19 +149,26 @@ def batches(n: int) -> Iterator[megapack.PackedBatch]:
         yield megapack.PackedBatch.from_documents([[1, 2, 3], [4, 5 + i]])
 
 
-# "frame": gloo's one-frame path; "split": header on a separate gloo control group, payload on the
-# TP group, the path NCCL groups take (megapack.split_transfer); "prefetch...": the same through
-# megapack.prefetch(depth=2), batches fetched ahead in a thread.
-PATHS = ["frame", "split", "prefetch", "prefetch-split"]
+# "link": the default on one host, frames over a local link (megapack.local_link); "frame": gloo's
+# one-frame path (links off); "split": header on a separate gloo control group, payload on the TP
+# group, the path NCCL groups take (megapack.split_transfer), links off; "split-link": its header
+# over the local link; "prefetch...": through megapack.prefetch(depth=2), batches fetched ahead in
+# a thread (links on).
+PATHS = ["link", "frame", "split", "split-link", "prefetch", "prefetch-split"]
 
 
-def run_get_batch_fault(fault: str, path: str = "frame") -> Any:
+def run_get_batch_fault(fault: str, path: str = "link") -> Any:
+    with local_links(path not in ("frame", "split")):
+        return _get_batch_fault(fault, path)
+
+
+def _get_batch_fault(fault: str, path: str) -> Any:
     # Every rank imports megatron (~5 s on a busy machine; get_batch's first decode needs it)
     # before the timed calls, so a rank still importing is not mistaken for a stuck peer.
     importlib.import_module("megatron.core.packed_seq_params")
     dist.barrier()
     topo = grid_topology(dist.get_world_size(), 1)
-    if path.endswith("split"):
+    if "split" in path:
         force_split_path(topo)
     data = batches(5) if topo.is_source else None
     clock = [time.perf_counter()]
@@ -197,7 +205,7 @@ def _fault_body(fault: str, topo: Any, fetch: Any, clock: list[float]) -> Any:
 
 
 @pytest.mark.parametrize(
-    "path", PATHS[:3]
+    "path", PATHS[:4]
 )  # each case restarts the pool: prefetch-split adds little
 def test_get_batch_killed_receiver(pool: WorkerPool, path: str) -> None:
     outcomes = pool.run_outcomes(run_get_batch_fault, 3, "kill-receiver", path, timeout=30)
@@ -212,7 +220,8 @@ def test_get_batch_killed_receiver(pool: WorkerPool, path: str) -> None:
 def test_get_batch_stuck_source(pool: WorkerPool, path: str) -> None:
     results = pool.run(run_get_batch_fault, 3, "stuck-source", path, timeout=30)
     assert results[0][0] == "ok"  # the source itself just returned after its sleep
-    part = {"frame": "frame broadcast", "split": "header broadcast"}.get(path, "prefetch agreement")
+    parts = {"link": "frame from", "frame": "frame broadcast", "split": "header broadcast"}
+    part = (parts | {"split-link": "header from"}).get(path, "prefetch agreement")
     for kind, message, seconds in results[1:]:
         assert kind == "CollectiveError" and f"{part} " in message and "timed out" in message
         assert seconds < TIMEOUT + 5

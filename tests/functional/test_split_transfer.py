@@ -16,6 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from megapack import get_batch_on_this_tp_rank, lockstep
+from megapack.local_link import local_links
 from megapack.side_groups import control_group
 from megapack.testing.grids import Grid, grid_topology
 from megapack.testing.split_path import force_split_path
@@ -43,7 +44,12 @@ def _record(groups: dict[str, Any]) -> list[list[tuple[str, str, int, str]]]:
     return log
 
 
-def run_split_stream(tp: int, pp: int, mbs: int) -> dict[str, Any]:
+def run_split_stream(tp: int, pp: int, mbs: int, links: bool = False) -> dict[str, Any]:
+    with local_links(links):
+        return _split_stream(tp, pp, mbs)
+
+
+def _split_stream(tp: int, pp: int, mbs: int) -> dict[str, Any]:
     topo = grid_topology(tp, pp)
     control = force_split_path(topo)
     log = _record({"tp": topo.tp_group, "control": control})
@@ -82,7 +88,33 @@ def test_split_path_delivers_the_same_fields(dist_pool: Any, grid: Grid) -> None
         assert all(log == logs[0] for log in logs), stage
 
 
-def run_split_failure(tp: int, mode: str) -> dict[str, Any]:
+@pytest.mark.parametrize("grid", [Grid(2, 1), Grid(4, 2)], ids=lambda g: g.id)
+def test_split_path_headers_over_a_local_link(dist_pool: Any, grid: Grid) -> None:
+    # Headers go over the TP group's local link: after the link's set-up on the first call (a
+    # broadcast and an all-reduce on the control group) a batch is its payload broadcast alone.
+    mbs = 3
+    results = dist_pool.run(
+        run_split_stream, grid.world_size, grid.tp, grid.pp, mbs, True, timeout=60
+    )
+    for r in results:
+        check_rank({**r, "collectives": [0, *r["collectives"][1:]]}, mbs, grid.tp)  # set-up: below
+        calls = r["log"]
+        setup = [("broadcast", "control"), ("all_reduce", "control")]
+        assert [c[:2] for c in calls[0]] == [*setup, ("broadcast", "tp")], calls[0]
+        for call in calls[1:-1]:
+            assert [c[:2] for c in call] == [("broadcast", "tp")] and call[0][2] > 0, call
+        assert calls[-1] == [], calls[-1]  # the stop is a link frame
+    for stage in range(grid.pp):
+        logs = [r["log"] for r in results if r["pp_rank"] == stage]
+        assert all(log == logs[0] for log in logs), stage
+
+
+def run_split_failure(tp: int, mode: str, links: bool = False) -> dict[str, Any]:
+    with local_links(links):
+        return _split_failure(tp, mode)
+
+
+def _split_failure(tp: int, mode: str) -> dict[str, Any]:
     topo = grid_topology(tp, 1)
     control = force_split_path(topo)
     log = _record({"tp": topo.tp_group, "control": control})
@@ -99,9 +131,12 @@ def run_split_failure(tp: int, mode: str) -> dict[str, Any]:
     return {"tp_rank": topo.tp_rank, "events": events, "log": log[:-1]}
 
 
+@pytest.mark.parametrize("links", [False, True], ids=["control", "link"])
 @pytest.mark.parametrize("mode", ["raise", "bad"])
-def test_split_path_source_failure_reaches_every_rank(dist_pool: Any, mode: str) -> None:
-    results = dist_pool.run(run_split_failure, 3, 3, mode, timeout=30)
+def test_split_path_source_failure_reaches_every_rank(
+    dist_pool: Any, mode: str, links: bool
+) -> None:
+    results = dist_pool.run(run_split_failure, 3, 3, mode, links, timeout=30)
     for r in results:
         kinds = [e[0] for e in r["events"]]
         failed = (
@@ -115,8 +150,11 @@ def test_split_path_source_failure_reaches_every_rank(dist_pool: Any, mode: str)
             "is not strictly increasing" if mode == "bad" else "part-7.jsonl vanished"
         ) in message
         assert r["events"][3][1] == str(stream(1)[0].cu_seqlens.tolist())
-        # The error travels on the control group only: header, then the message.
+        # The error travels on the control group only, header then message; or in one link frame.
         error_call = r["log"][2]
+        if links:
+            assert error_call == [], error_call
+            continue
         assert [c[:2] for c in error_call] == [("broadcast", "control")] * 2, error_call
         if r["tp_rank"] == 0:
             assert error_call[1][2] == len(f"{failed}: {message}".encode()), error_call
@@ -125,6 +163,11 @@ def test_split_path_source_failure_reaches_every_rank(dist_pool: Any, mode: str)
 
 def run_split_empty_then_lockstep(tp: int) -> tuple[list[str], int, bool]:
     """Empty iterator on the split path, then lockstep on the same group uses the cached control group."""
+    with local_links(False):
+        return _split_empty_then_lockstep(tp)
+
+
+def _split_empty_then_lockstep(tp: int) -> tuple[list[str], int, bool]:
     topo = grid_topology(tp, 1)
     control = force_split_path(topo)
     data = iter([]) if topo.is_source else None

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megapack import PackedBatch, Topology, get_batch_on_this_tp_rank
+from megapack.local_link import local_links
 from megapack.testing.grids import GRIDS, Grid, grid_topology
 
 pytestmark = pytest.mark.distributed
@@ -372,8 +373,13 @@ def test_peers_on_different_stages_are_refused(dist_pool: Any) -> None:
     assert "this rank is on stage 'last'" in receiver
 
 
-def run_steady_state(tp: int, row_lengths: list[int]) -> list[int]:
+def run_steady_state(tp: int, row_lengths: list[int], links: bool) -> list[int]:
     """Collectives per call (and the final stop) for rows of the given lengths, 8-token documents."""
+    with local_links(links):
+        return _steady_state(tp, row_lengths)
+
+
+def _steady_state(tp: int, row_lengths: list[int]) -> list[int]:
     topo = grid_topology(tp, 1)
     counts = _count_collectives()
     rows = [PackedBatch.from_documents([[7] * 8] * (n // 8), seq_len=n) for n in row_lengths]
@@ -388,7 +394,16 @@ def run_steady_state(tp: int, row_lengths: list[int]) -> list[int]:
 
 
 def test_steady_state_is_one_collective_per_call(dist_pool: Any) -> None:
-    # The first call sizes the frame (2 collectives); same-shape calls then fit it (1). Rows 4x
-    # longer outgrow it (2, then 1); shorter rows fit and shrink it for later calls (1).
-    results = dist_pool.run(run_steady_state, 4, 4, [64, 64, 64, 256, 256, 64, 64], timeout=30)
+    # Gloo frames: the first call sizes the frame (2 collectives); same-shape calls then fit it
+    # (1). Rows 4x longer outgrow it (2, then 1); shorter rows fit and shrink it for later calls (1).
+    lengths = [64, 64, 64, 256, 256, 64, 64]
+    results = dist_pool.run(run_steady_state, 4, 4, lengths, False, timeout=30)
     assert all(r == [2, 1, 1, 2, 1, 1, 1, 1] for r in results), results
+
+
+def test_steady_state_on_a_local_link_is_no_collective(dist_pool: Any) -> None:
+    # A local link (megapack.local_link) is set up on the first call (a broadcast of its address
+    # and an all-reduce that everyone connected); after that frames of any size use no collective.
+    lengths = [64, 64, 64, 256, 256, 64, 64]
+    results = dist_pool.run(run_steady_state, 4, 4, lengths, True, timeout=30)
+    assert all(r == [2, 0, 0, 0, 0, 0, 0, 0] for r in results), results

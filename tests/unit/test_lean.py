@@ -116,3 +116,34 @@ def test_round_trips_are_bit_identical(
             for start, end in itertools.pairwise(b):
                 want[r, start:end] = np.arange(end - start)
         assert positions.dtype == torch.int64 and positions.tolist() == want.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=8),
+    poke=st.none() | st.tuples(st.integers(0, 1000), st.integers(-3, 3)),
+)
+def test_restarts_at_agrees_with_the_reference(
+    lengths: list[int], poke: tuple[int, int] | None
+) -> None:
+    # Empty segments included (a 0 length, also first): the one-pass check must say exactly
+    # whether the positions equal the rebuilt ones, or leave it to the reference (None).
+    bounds = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    total = int(bounds[-1])
+    if total == 0:
+        return
+    positions = lean.standard_positions(bounds, 1, total).clone()
+    if poke is not None and poke[1] != 0:
+        positions[0, poke[0] % total] += poke[1]
+    want = torch.equal(positions, lean.standard_positions(bounds, 1, total))
+    assert lean.restarts_at(positions, bounds) is want
+    if int(bounds[-2]) != total:  # bounds short of T: not decided here
+        assert lean.restarts_at(positions, bounds[:-1]) is None
+
+
+def test_restarts_at_worked_example() -> None:
+    bounds = torch.tensor([0, 3, 5], dtype=torch.int32)
+    assert lean.restarts_at(torch.tensor([[0, 1, 2, 0, 1]]), bounds) is True
+    assert lean.restarts_at(torch.tensor([[0, 1, 2, 3, 4]]), bounds) is False  # no restart
+    assert lean.restarts_at(torch.tensor([[0, 1, 2, 0, 2]]), bounds) is False  # a skip
+    assert lean.restarts_at(torch.tensor([[0, 1, 2, 0, 1]], dtype=torch.int32), bounds) is None

@@ -1,0 +1,129 @@
+"""Local links (`megapack.local_link`): frames from a group's source to its peers over Unix sockets.
+
+Every frame must arrive whole and in order on every peer (sizes from empty to larger than a socket
+buffer, so partial sends and receives happen), the set-up must agree on all ranks (a rank that
+cannot connect makes every rank fall back to collectives, and `get_batch_on_this_tp_rank` still
+works), and the switch must be read per call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megapack import PackedBatch, get_batch_on_this_tp_rank, local_link
+from megapack.errors import CollectiveError
+from megapack.local_link import LINK_ENV, link_for, links_enabled, local_links
+from megapack.testing.grids import grid_topology
+
+pytestmark = pytest.mark.distributed
+
+SIZES = [0, 1, 7, 192, 65_537, 3_000_001]  # the last one outgrows a Unix socket's buffer
+
+
+def _frame(i: int, n: int) -> torch.Tensor:
+    return torch.randint(
+        0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)
+    )
+
+
+def run_frames(src: int) -> list[tuple[int, str]]:
+    """Every rank: (bytes, sha256) of each frame, sent by ``src`` or received."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    link = link_for(group, src)
+    assert link is not None and link is link_for(group, src)  # cached: set up once
+    seen = []
+    for i, n in enumerate(SIZES * 2):
+        if dist.get_rank() == src:
+            body = _frame(i, n)
+            header = n.to_bytes(8, "little")
+            link.send([header, body], what="test frame", timeout=20)
+            got = torch.cat([torch.frombuffer(bytearray(header), dtype=torch.uint8), body])
+        else:
+            got = link.receive(what="test frame", timeout=20)
+            assert int.from_bytes(bytes(got[:8].tolist()), "little") == n
+        seen.append((got.numel() - 8, hashlib.sha256(got[8:].numpy().tobytes()).hexdigest()))
+    dist.barrier()
+    return seen
+
+
+def test_frames_arrive_whole_and_in_order(dist_pool: Any) -> None:
+    results = dist_pool.run(run_frames, 3, 1, timeout=60)
+    assert all(r == results[0] for r in results), "peers got other bytes than the source sent"
+    assert [n for n, _ in results[0]] == SIZES * 2
+
+
+def run_fallback(refuse_on: int) -> tuple[bool, list[list[int]]]:
+    """One rank cannot connect: every rank must get no link, and get_batch must still deliver."""
+    dial = local_link._dial
+    if dist.get_rank() == refuse_on:
+        local_link._dial = lambda address, rank: None
+    try:
+        topo = grid_topology(dist.get_world_size(), 1)
+        made = link_for(topo.tp_group, topo.src_rank) is not None
+    finally:
+        local_link._dial = dial  # the pool's worker processes live on
+    rows = [PackedBatch.from_documents([[5, 6, 7], [8, 9]]) for _ in range(2)]
+    data = iter(rows) if topo.is_source else None
+    got = [get_batch_on_this_tp_rank(data, topology=topo)["cu_seqlens"].tolist() for _ in rows]
+    dist.barrier()
+    return made, got
+
+
+def test_a_rank_that_cannot_connect_makes_everyone_fall_back(dist_pool: Any) -> None:
+    results = dist_pool.run(run_fallback, 3, 2, timeout=60)
+    assert all(made is False for made, _ in results), results
+    assert all(got == [[0, 3, 5], [0, 3, 5]] for _, got in results), results
+
+
+def run_switch() -> tuple[bool, bool, int]:
+    """The switch is read per call: off gives no link (and no set-up), on gives one."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    with local_links(False):
+        off = link_for(group, 0) is None
+    with local_links(True):
+        link = link_for(group, 0)
+    on = link is not None
+    if link is not None and dist.get_rank() == 0:
+        link.send([b"x"], what="switch", timeout=20)
+    elif link is not None:
+        link.receive(what="switch", timeout=20)
+    dist.barrier()
+    return off, on, link.sent if link is not None else -1
+
+
+def test_switch_is_read_per_call(dist_pool: Any) -> None:
+    assert dist_pool.run(run_switch, 2, timeout=60) == [(True, True, 1), (True, True, 1)]
+
+
+def run_source_gone() -> str:
+    """The source closes its link: a peer waiting for a frame learns it at once, not at the timeout."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    link = link_for(group, 0)
+    assert link is not None
+    dist.barrier()
+    if dist.get_rank() == 0:
+        link.close()
+        return "closed"
+    try:
+        link.receive(what="test frame", timeout=30)
+    except CollectiveError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_closed_source_ends_the_wait_at_once(dist_pool: Any) -> None:
+    _, message = dist_pool.run(run_source_gone, 2, timeout=20)  # well under the 30 s timeout
+    assert "rank 0 closed the link" in message and "over the local link" in message
+
+
+@pytest.mark.parametrize("value, on", [("0", False), ("off", False), ("1", True), ("", True)])
+def test_links_enabled_reads_the_switch(
+    monkeypatch: pytest.MonkeyPatch, value: str, on: bool
+) -> None:
+    monkeypatch.setenv(LINK_ENV, value)
+    assert links_enabled() is on
