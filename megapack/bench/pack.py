@@ -18,6 +18,10 @@ to the child's address space and starts afresh at ``exec``. Not ``ru_maxrss``: L
 across fork + exec (a child started from a 300 MiB bench process reports at least 300 MiB whatever
 it does); off Linux the table falls back to ``ru_maxrss`` and says so (``peak_source``).
 
+CPU seconds (user + system, every thread of the child) are reported beside the wall time: a
+machine loaded by other work stretches both runs' wall time unevenly, their CPU time much less, so
+the CPU ratio shows how much more work the pack does even when the wall ratio is noise.
+
 Two inputs 10x apart show what memory grows with: a pack's peak RSS must not grow with the corpus's
 tokens (only its documents, 8-24 bytes each), so the 10x input's peak stays close to the small one's
 while its tokens (8 bytes each) would add tens of MB. Targets: pack time <= 1.25x bare, and peak
@@ -35,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import numpy as np
@@ -43,7 +48,11 @@ TARGET_RATIO = 1.25
 SYLLABLES = ("ka", "lo", "mi", "ne", "sa", "tu", "ri", "po", "the", "and", "ing", "er", "on", "st")
 
 PEAK = """
-import resource, sys
+import os, resource, sys
+
+def cpu_seconds():
+    \"\"\"User + system CPU seconds of this process so far, all its threads (the Rust ones too).\"\"\"
+    return sum(os.times()[:2])
 
 def peak_rss():
     \"\"\"(this process's own peak RSS in MiB, where it comes from).\"\"\"
@@ -58,11 +67,13 @@ def peak_rss():
     unit = 1 if sys.platform == "darwin" else 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / 2**20, "ru_maxrss"
 """
-"""Defines ``peak_rss()`` in both child scripts: the child's own high-water RSS (see the docstring)."""
+"""Defines ``peak_rss()`` (the child's own high-water RSS, see the docstring) and ``cpu_seconds()``
+in both child scripts."""
 
 BARE = """
 import json, sys, time
 from tokenizers import Tokenizer
+cpu = cpu_seconds()
 start = time.perf_counter()
 tok = Tokenizer.from_file(sys.argv[2])
 encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # what megapack's HFTokenizer calls
@@ -78,23 +89,25 @@ with open(sys.argv[1], "rb") as f:
         if len(batch) == 512:
             flush(batch); batch = []
     flush(batch)
-seconds = time.perf_counter() - start
+seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
 peak, source = peak_rss()
-print(json.dumps({"seconds": seconds, "tokens": tokens, "peak_mib": peak, "peak_source": source}))
+print(json.dumps({"seconds": seconds, "cpu_s": cpu, "tokens": tokens, "peak_mib": peak,
+                  "peak_source": source}))
 """
 
 PACK = """
 import json, sys, time, io, contextlib
 import megapack.cli, megapack.data, megapack.data.pack_writer, megapack.packing, tokenizers
+cpu = cpu_seconds()
 start = time.perf_counter()
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
     code = megapack.cli.main(["pack", sys.argv[1], "--seq-len", "4096", "--tokenizer", sys.argv[2],
                               "--out", sys.argv[3]])
-seconds = time.perf_counter() - start
+seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
 peak, source = peak_rss()
 meta = json.load(open(sys.argv[3] + "/meta.json"))
-print(json.dumps({"seconds": seconds, "code": code, "documents": meta["documents"],
+print(json.dumps({"seconds": seconds, "cpu_s": cpu, "code": code, "documents": meta["documents"],
                   "peak_mib": peak, "peak_source": source}))
 """
 
@@ -169,6 +182,7 @@ def run_pack(sizes: list[int], repeats: int = 1) -> list[dict[str, Any]]:
             rows.append({
                 "documents": documents, "input_mb": size / 1e6, "tokens": b["tokens"],
                 "bare_s": b["seconds"], "pack_s": p["seconds"], "ratio": p["seconds"] / b["seconds"],
+                "cpu_ratio": median([x["cpu_s"] for x in pack]) / median([x["cpu_s"] for x in bare]),
                 "bare_mb_s": size / 1e6 / b["seconds"], "pack_mb_s": size / 1e6 / p["seconds"],
                 "bare_peak_mib": b["peak_mib"], "pack_peak_mib": p["peak_mib"],
                 "token_array_mib": b["tokens"] * 8 / 2**20,
@@ -182,14 +196,14 @@ def run_pack(sizes: list[int], repeats: int = 1) -> list[dict[str, Any]]:
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The section's table and its memory verdict."""
     head = (
-        "## Pack: `megapack pack` vs bare read + json + encode_batch (same JSONL, BPE tokenizer)\n\n"
+        "## Pack: `megapack pack` vs bare read + json + encode_batch_fast (same JSONL, BPE tokenizer)\n\n"
         f"| documents | input MB | tokens | bare s | pack s | pack / bare (target <= {TARGET_RATIO}) "
-        "| bare MB/s | pack MB/s | bare peak MiB | pack peak MiB | token array MiB | verdict |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        "| CPU s pack / bare | bare MB/s | pack MB/s | bare peak MiB | pack peak MiB | token array MiB | verdict |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
     body = "".join(
         f"| {r['documents']:,} | {r['input_mb']:.1f} | {r['tokens']:,} | {r['bare_s']:.2f} | "
-        f"{r['pack_s']:.2f} | {r['ratio']:.2f} | {r['bare_mb_s']:.1f} | {r['pack_mb_s']:.1f} | "
+        f"{r['pack_s']:.2f} | {r['ratio']:.2f} | {r['cpu_ratio']:.2f} | {r['bare_mb_s']:.1f} | {r['pack_mb_s']:.1f} | "
         f"{r['bare_peak_mib']:.0f} | {r['pack_peak_mib']:.0f} | {r['token_array_mib']:.0f} | "
         f"{r['verdict']} |\n"
         for r in rows
@@ -213,8 +227,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return head + body
 
 
-if __name__ == "__main__":  # python -m megapack.bench.pack [documents ...]
+if __name__ == "__main__":  # python -m megapack.bench.pack [documents ...] [--repeats N]
+    import argparse
+
+    cli = argparse.ArgumentParser(description="the bench's pack section alone")
+    cli.add_argument("documents", type=int, nargs="*", default=[5_000, 50_000])
+    cli.add_argument("--repeats", type=int, default=3, help="runs of each, alternating (median)")
+    options = cli.parse_args()
     started = time.perf_counter()
-    result = run_pack([int(a) for a in sys.argv[1:]] or [2000, 20000])
+    result = run_pack(options.documents, options.repeats)
     print(markdown(result))
     print(f"({time.perf_counter() - started:.0f} s)")

@@ -8,8 +8,9 @@ already-decoded dict. Everything after that is shared and lives here:
 2. each batch becomes one `DocumentBatch` (`megapack.data.convert.convert_rows`: one
    ``tokenizer.encode_batch`` call, on all cores for a HF tokenizer, and the documents laid out
    back to back);
-3. step 2 of the next batch runs in a thread while the caller consumes this one (``encode_batch``
-   releases the GIL), or, with ``workers > 1``, in a pool of forked processes; order is kept;
+3. the next batch's ``encode_batch`` (which releases the GIL) runs in a thread while this thread
+   parses, lays out and hands over the current one, or, with ``workers > 1``, step 2 runs in a
+   pool of forked processes; order is kept;
 4. bad rows: the first raises `BadLineError` (file, row, field, value, hint) in order, after the
    rows before it were yielded; with ``skip_bad`` they are counted in `ReaderStats`.
 
@@ -32,7 +33,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
 from typing import Any
 
-from megapack.data.convert import DocumentBatch, RawRow, build_batch, convert_rows, parse_rows
+from megapack.data.convert import (
+    DocumentBatch,
+    ParsedRows,
+    RawRow,
+    build_batch,
+    convert_rows,
+    encode_all,
+    parse_rows,
+)
 from megapack.data.document import Document
 from megapack.data.records import BadLineError
 from megapack.data.tokenizers import Tokenizer
@@ -214,22 +223,22 @@ class RecordReader(Iterator[Document]):
             yield from pool.imap(_convert_in_worker, self._batches())
 
     def _ahead(self) -> Iterator[DocumentBatch]:
-        """Converted batches, the next one converting in a thread while this one is consumed.
+        """Converted batches, the next one encoding in a thread while this one is finished.
 
-        The tokenizer's ``encode_batch`` releases the GIL, so it overlaps with the JSON parsing of
-        the next batch (`parse_rows`, in this thread) and the caller's work on the previous one
-        (writing it); order is kept.
+        The tokenizer's ``encode_batch`` releases the GIL, so this thread's Python work (reading
+        and parsing the next rows, laying out the encoded batch, and the caller's writing it)
+        overlaps with it; order is kept.
         """
         with ThreadPoolExecutor(1) as pool:
-            pending: Future[DocumentBatch] | None = None
+            pending: list[tuple[ParsedRows, Future[list[list[int]]]]] = []
             for batch in self._batches():
-                parsed = parse_rows(batch, self._options)  # here, while the thread encodes
-                future = pool.submit(build_batch, parsed, self.tokenizer, self._options)
-                if pending is not None:
-                    yield pending.result()
-                pending = future
-            if pending is not None:
-                yield pending.result()
+                parsed = parse_rows(batch, self._options)
+                pending.append((parsed, pool.submit(encode_all, self.tokenizer, parsed.texts)))
+                if len(pending) == 2:
+                    done, encoding = pending.pop(0)
+                    yield build_batch(done, self.tokenizer, self._options, encoding.result())
+            for done, encoding in pending:
+                yield build_batch(done, self.tokenizer, self._options, encoding.result())
 
     def _documents(self) -> Generator[Document, None, None]:
         for batch in self._converted:
