@@ -123,7 +123,7 @@ def _prefetch_steps(
             batch_k = next(batches)
             got = time.perf_counter()
             time.sleep(compute_s)
-            del batch_k  # the step is done with it (freed in the step, not in next())
+            del batch_k  # a step uses its batch through the compute (not freed inside next())
             end = time.perf_counter()
             # the model's TP sync point: every rank's step ends with the slowest
             waited, step, compute = _slowest([got - start, end - start, end - got], topo.tp_group)
