@@ -7,8 +7,12 @@ bytes. A local link sends the same frame from the caller's own thread with one `
 peer into a connected Unix stream socket, and the peer's blocking ``recv_into`` wakes once:
 ~0.05 ms for a 17 KB frame at tp=2 on the 2-core CPU that measured the numbers above.
 
-Per frame, each peer gets ``[magic, sequence, nbytes]`` (3 x int64) and the body, and answers with
-one byte once it holds the whole frame. The source sends frame ``i`` only when every peer has
+Per frame, each peer gets a prefix ``[magic, sequence, nbytes, where, segment bytes]`` (5 x int64)
+and the body: on the socket after the prefix when it is small, else in the link's shared memory
+(a memfd segment every end maps, its descriptor passed over the socket when it is new or grows):
+written once by the source for all peers, copied out once by each, with the socket messages
+ordering the writes and reads on every architecture. A peer answers with one byte once it holds
+its copy of the whole frame. The source sends frame ``i`` only when every peer has
 acknowledged frame ``i - 1``, so it runs at most one frame ahead: in a training loop the ack has
 long arrived (no wait), and a peer that stopped taking frames is found at the next call, within
 the timeout, as with a collective. Failures keep megapack's promises:
@@ -20,13 +24,7 @@ the timeout, as with a collective. Failures keep megapack's promises:
 After a failure the link is closed (peers blocked on it see the end of the stream at once) and
 forgotten; like a collective group after a timeout, the group is unusable for the step.
 
-Set-up is collective over the group's control group (`megapack.side_groups`), on the first call
-that needs the link: the source listens on a fresh abstract socket name (a private path in the
-temp directory off Linux), broadcasts it, the peers connect and say their rank, and all agree
-(one all-reduce) that everyone connected. When they do not (ranks on several hosts or network
-namespaces), no link is made and megapack keeps to collectives for that group. $MEGAPACK_LOCAL_LINK=0
-turns links off (read at every call, so it can differ per phase of a job, but every rank of a
-group must see the same value).
+Links are made and cached per group by `megapack.link_setup.link_for`.
 
 Example (every rank of ``group``; source global rank 0)::
 
@@ -43,25 +41,17 @@ import mmap
 import os
 import socket
 import struct
-import sys
-import tempfile
 import time
-import uuid
-import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megapack import comm
 from megapack.errors import CollectiveError
-from megapack.side_groups import control_group
 
-LINK_ENV = "MEGAPACK_LOCAL_LINK"
 _PREFIX = struct.Struct("<qqqqq")  # magic, sequence, body bytes, where the body is, segment bytes
 _INLINE, _SHARED, _NEW_SEGMENT = 0, 1, 2  # body on the socket / in the segment / in a new segment
 _SHARED_OK = hasattr(os, "memfd_create") and hasattr(socket, "send_fds")  # Linux
@@ -69,32 +59,6 @@ SHARED_MIN_BYTES = 64 * 1024
 """Bodies from this size on go through shared memory (where `os.memfd_create` exists): written
 once for every peer and copied out once by each, instead of twice through the kernel per peer."""
 _MAGIC = 0x4D50_4C4B  # "MPLK"
-_HELLO = struct.Struct("<q")  # a peer's global rank
-_ADDRESS_BYTES = 256
-_CONNECT_TIMEOUT_S = 10.0
-
-
-def links_enabled() -> bool:
-    """False when $MEGAPACK_LOCAL_LINK is 0/false/off/no; links are on by default."""
-    return os.environ.get(LINK_ENV, "1").strip().lower() not in {"0", "false", "off", "no"}
-
-
-@contextmanager
-def local_links(enabled: bool) -> Iterator[None]:
-    """Within the block, groups on one host use local links (True) or collectives (False).
-
-    Sets $MEGAPACK_LOCAL_LINK in this process and restores it after; every rank of a group must
-    enter it alike (the bench times both transports this way, the tests test both).
-    """
-    before = os.environ.get(LINK_ENV)
-    os.environ[LINK_ENV] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(LINK_ENV, None)
-        else:
-            os.environ[LINK_ENV] = before
 
 
 @dataclass(eq=False)
@@ -132,7 +96,7 @@ class LocalLink:
         if self.sent:  # every peer has taken the previous frame (and so left the shared memory)
             for peer, sock in self.peers.items():
                 try:
-                    _recv_exact(sock, memoryview(bytearray(1)), deadline)
+                    recv_exact(sock, memoryview(bytearray(1)), deadline)
                 except (OSError, EOFError) as exc:
                     self._fail(exc, what, seconds, peer, "sending to")
         mode, fd = _INLINE, None
@@ -180,7 +144,7 @@ class LocalLink:
                 self._map(fd, segment)
             body = torch.empty(nbytes, dtype=torch.uint8)
             if mode == _INLINE and nbytes:
-                _recv_exact(sock, body.numpy().data, deadline)
+                recv_exact(sock, body.numpy().data, deadline)
             elif nbytes:
                 assert self.shared is not None  # mapped at this frame or an earlier one
                 np.copyto(body.numpy(), self.shared[:nbytes])
@@ -242,111 +206,6 @@ class LocalLink:
         ) from exc
 
 
-# Keyed weakly by the group: a link lives as long as its group; value: {src: link or None}.
-_links: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, LocalLink | None]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def link_for(
-    group: dist.ProcessGroup | None, src: int, *, timeout: float | None = None
-) -> LocalLink | None:
-    """The local link from global rank ``src`` to the other ranks of ``group``, or None.
-
-    None when links are off ($MEGAPACK_LOCAL_LINK=0), the group has one rank, or its ranks cannot
-    reach each other through a Unix socket. The first call for a (group, src) is collective over
-    the group's control group: every rank of ``group`` must make it at the same point.
-    """
-    if not links_enabled() or group is None:
-        return None
-    by_src = _links.setdefault(group, {})
-    if src in by_src:
-        link = by_src[src]
-        if link is None or not link.closed:
-            return link
-    link = _connect(group, src, timeout)
-    by_src[src] = link
-    return link
-
-
-def _connect(group: dist.ProcessGroup, src: int, timeout: float | None) -> LocalLink | None:
-    ranks = comm.group_ranks(group)
-    if len(ranks) < 2:
-        return None
-    control = control_group(group)
-    rank = dist.get_rank()
-    what = f"megapack local link set-up from rank {src}"
-    listener, address = _listen(len(ranks)) if rank == src else (None, b"")
-    message = torch.zeros(_ADDRESS_BYTES + 1, dtype=torch.uint8)
-    if rank == src:
-        message[0] = len(address)
-        message[1 : 1 + len(address)] = torch.frombuffer(bytearray(address), dtype=torch.uint8)
-    comm.broadcast(message, src, group=control, what=what, timeout=timeout)
-    address = bytes(message[1 : 1 + int(message[0])].tolist())
-    sock = None if rank == src or not address else _dial(address, rank)
-    ok = torch.tensor([int((rank == src and listener is not None) or sock is not None)])
-    comm.all_reduce_min(ok, group=control, what=what, timeout=timeout)
-    if not int(ok[0]):
-        for s in (listener, sock):
-            if s is not None:
-                s.close()
-        return None
-    if rank != src:
-        assert sock is not None  # ok: this rank connected
-        return LocalLink(src=src, rank=rank, peers={src: sock})
-    assert listener is not None
-    peers = _accept(listener, len(ranks) - 1, what)
-    listener.close()
-    return LocalLink(src=src, rank=rank, peers=dict(sorted(peers.items())))
-
-
-def _listen(backlog: int) -> tuple[socket.socket | None, bytes]:
-    """A listening Unix socket on a fresh name: abstract on Linux (nothing on disk), else a temp path."""
-    name = f"megapack-link-{os.getpid()}-{uuid.uuid4().hex}"
-    address = (
-        b"\0" + name.encode()
-        if sys.platform.startswith("linux")
-        else os.path.join(tempfile.mkdtemp(prefix="megapack-"), "link").encode()
-    )
-    try:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(address)
-        listener.listen(backlog)
-    except OSError:
-        return None, b""
-    return listener, address if len(address) <= _ADDRESS_BYTES else b""
-
-
-def _dial(address: bytes, rank: int) -> socket.socket | None:
-    try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(_CONNECT_TIMEOUT_S)
-        sock.connect(address)
-        sock.sendall(_HELLO.pack(rank))
-    except OSError:
-        return None
-    return sock
-
-
-def _accept(listener: socket.socket, count: int, what: str) -> dict[int, socket.socket]:
-    peers: dict[int, socket.socket] = {}
-    listener.settimeout(_CONNECT_TIMEOUT_S)
-    deadline = time.monotonic() + _CONNECT_TIMEOUT_S
-    try:
-        for _ in range(count):
-            sock, _ = listener.accept()
-            hello = bytearray(_HELLO.size)
-            _recv_exact(sock, memoryview(hello), deadline)
-            peers[_HELLO.unpack(hello)[0]] = sock
-    except (OSError, EOFError) as exc:
-        for s in peers.values():
-            s.close()
-        raise CollectiveError(f"{what}: a peer connected but did not say its rank ({exc})") from exc
-    if isinstance(name := listener.getsockname(), str) and name:  # a path (off Linux): remove it
-        os.unlink(name)
-    return peers
-
-
 def _buffer(part: Any) -> memoryview:
     """A flat byte view of ``part`` (bytes-like, or a CPU tensor), without a copy where it can."""
     if isinstance(part, torch.Tensor):
@@ -380,12 +239,13 @@ def _recv_prefix(sock: socket.socket, deadline: float) -> tuple[bytes, int | Non
         len(data) < _PREFIX.size
     ):  # the rest of a split prefix (ancillary data came with the first byte)
         rest = bytearray(_PREFIX.size - len(data))
-        _recv_exact(sock, memoryview(rest), deadline)
+        recv_exact(sock, memoryview(rest), deadline)
         data += bytes(rest)
     return data, (fds[0] if fds else None)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill ``view`` from ``sock`` by ``deadline`` (time.monotonic); EOFError at the end of stream."""
     got = 0
     while got < len(view):
         sock.settimeout(max(deadline - time.monotonic(), 1e-3))

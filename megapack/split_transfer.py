@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from megapack import comm
-from megapack.local_link import LocalLink, link_for
+from megapack.link_setup import link_for
+from megapack.local_link import LocalLink
 from megapack.side_groups import control_group, registered_control_group
 from megapack.topology import Topology
 from megapack.wire import HEADER_BYTES, HEADER_LEN, Header, Status

@@ -39,7 +39,8 @@ from megapack.cp import CP_LAYOUTS, CpLayout
 from megapack.cp_share import take_cp_share
 from megapack.errors import ProtocolError, RemoteDataError
 from megapack.inputs import Layout, normalize
-from megapack.local_link import LocalLink, link_for
+from megapack.link_setup import link_for
+from megapack.local_link import LocalLink
 from megapack.side_groups import control_group
 from megapack.split_transfer import receive_split, send_split, split_control
 from megapack.sync import check_in_sync, debug_sync_enabled

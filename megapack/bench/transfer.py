@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from megapack.batch import PackedBatch
 from megapack.grid import grid_topology
-from megapack.local_link import local_links
+from megapack.link_setup import local_links
 from megapack.prefetcher import prefetch
 from megapack.topology import Stage, Topology
 from megapack.transfer import get_batch_on_this_tp_rank

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megapack import PackedBatch, Topology, get_batch_on_this_tp_rank
 from megapack.cp import CP_LAYOUTS, cp_indices
-from megapack.local_link import local_links
+from megapack.link_setup import local_links
 from megapack.testing.grids import CP_GRIDS, Grid, grid_topology
 from tests.functional.test_tp_pp_grid import COLLECTIVES, TENSOR_KEYS, expected
 

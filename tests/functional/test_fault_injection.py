@@ -21,7 +21,7 @@ import pytest
 import torch.distributed as dist
 
 import megapack
-from megapack.local_link import local_links
+from megapack.link_setup import local_links
 from megapack.testing.grids import grid_topology
 from megapack.testing.pool import WorkerPool
 from megapack.testing.split_path import force_split_path

@@ -1,4 +1,4 @@
-"""Local links (`megapack.local_link`): frames from a group's source to its peers over Unix sockets.
+"""Local links (`megapack.local_link`, `megapack.link_setup`): frames from a group's source to its peers over Unix sockets.
 
 Every frame must arrive whole and in order on every peer (sizes from empty to larger than a socket
 buffer, so partial sends and receives happen), the set-up must agree on all ranks (a rank that
@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megapack import PackedBatch, get_batch_on_this_tp_rank, local_link
+from megapack import PackedBatch, get_batch_on_this_tp_rank, link_setup, local_link
 from megapack.errors import CollectiveError
-from megapack.local_link import LINK_ENV, link_for, links_enabled, local_links
+from megapack.link_setup import LINK_ENV, link_for, links_enabled, local_links
 from megapack.testing.grids import grid_topology
 
 pytestmark = pytest.mark.distributed
@@ -76,14 +76,14 @@ def test_frames_arrive_whole_and_in_order(dist_pool: Any, shared: bool) -> None:
 
 def run_fallback(refuse_on: int) -> tuple[bool, list[list[int]]]:
     """One rank cannot connect: every rank must get no link, and get_batch must still deliver."""
-    dial = local_link._dial
+    dial = link_setup._dial
     if dist.get_rank() == refuse_on:
-        local_link._dial = lambda address, rank: None
+        link_setup._dial = lambda address, rank: None
     try:
         topo = grid_topology(dist.get_world_size(), 1)
         made = link_for(topo.tp_group, topo.src_rank) is not None
     finally:
-        local_link._dial = dial  # the pool's worker processes live on
+        link_setup._dial = dial  # the pool's worker processes live on
     rows = [PackedBatch.from_documents([[5, 6, 7], [8, 9]]) for _ in range(2)]
     data = iter(rows) if topo.is_source else None
     got = [get_batch_on_this_tp_rank(data, topology=topo)["cu_seqlens"].tolist() for _ in rows]

@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from megapack import get_batch_on_this_tp_rank, lockstep
-from megapack.local_link import local_links
+from megapack.link_setup import local_links
 from megapack.side_groups import control_group
 from megapack.testing.grids import Grid, grid_topology
 from megapack.testing.split_path import force_split_path

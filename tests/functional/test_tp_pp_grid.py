@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megapack import PackedBatch, Topology, get_batch_on_this_tp_rank
-from megapack.local_link import local_links
+from megapack.link_setup import local_links
 from megapack.testing.grids import GRIDS, Grid, grid_topology
 
 pytestmark = pytest.mark.distributed
