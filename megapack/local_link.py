@@ -39,6 +39,7 @@ Example (every rank of ``group``; source global rank 0)::
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import struct
@@ -52,6 +53,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -60,7 +62,12 @@ from megapack.errors import CollectiveError
 from megapack.side_groups import control_group
 
 LINK_ENV = "MEGAPACK_LOCAL_LINK"
-_PREFIX = struct.Struct("<qqq")  # magic, sequence, body bytes
+_PREFIX = struct.Struct("<qqqqq")  # magic, sequence, body bytes, where the body is, segment bytes
+_INLINE, _SHARED, _NEW_SEGMENT = 0, 1, 2  # body on the socket / in the segment / in a new segment
+_SHARED_OK = hasattr(os, "memfd_create") and hasattr(socket, "send_fds")  # Linux
+SHARED_MIN_BYTES = 64 * 1024
+"""Bodies from this size on go through shared memory (where `os.memfd_create` exists): written
+once for every peer and copied out once by each, instead of twice through the kernel per peer."""
 _MAGIC = 0x4D50_4C4B  # "MPLK"
 _HELLO = struct.Struct("<q")  # a peer's global rank
 _ADDRESS_BYTES = 256
@@ -103,25 +110,52 @@ class LocalLink:
     sent: int = 0
     """Frames sent (source) or received (peer) so far: the sequence number of the next frame."""
     closed: bool = field(default=False)
+    shared: np.ndarray | None = field(default=None, repr=False)
+    """The link's shared memory segment (a memfd every end maps), once a body needed it."""
+    shared_bytes: int = 0
+    """Its size."""
 
     @property
     def is_source(self) -> bool:
         return self.rank == self.src
 
     def send(self, parts: Sequence[Any], *, what: str, timeout: float | None) -> None:
-        """Source: send one frame made of ``parts`` (buffers: bytes or contiguous CPU tensors) to every peer."""
+        """Source: send one frame made of ``parts`` (buffers: bytes or contiguous CPU tensors) to every peer.
+
+        Bodies of `SHARED_MIN_BYTES` or more go through the link's shared memory (written once for
+        all peers, each peer copies it out once); smaller ones follow the prefix on the socket.
+        """
         seconds = comm.collective_timeout(timeout)
         buffers = [_buffer(p) for p in parts]
         nbytes = sum(len(b) for b in buffers)
-        prefix = _PREFIX.pack(_MAGIC, self.sent, nbytes)
         deadline = time.monotonic() + seconds
+        if self.sent:  # every peer has taken the previous frame (and so left the shared memory)
+            for peer, sock in self.peers.items():
+                try:
+                    _recv_exact(sock, memoryview(bytearray(1)), deadline)
+                except (OSError, EOFError) as exc:
+                    self._fail(exc, what, seconds, peer, "sending to")
+        mode, fd = _INLINE, None
+        if nbytes >= SHARED_MIN_BYTES and _SHARED_OK:
+            try:
+                fd = self._shared_write(buffers, nbytes)
+                mode = _SHARED if fd is None else _NEW_SEGMENT
+            except OSError:  # no shared memory to be had: this body goes on the socket
+                mode = _INLINE
+        prefix = _PREFIX.pack(_MAGIC, self.sent, nbytes, mode, self.shared_bytes)
+        body = buffers if mode == _INLINE else []
         for peer, sock in self.peers.items():
             try:
-                if self.sent:  # the peer has taken the previous frame
-                    _recv_exact(sock, memoryview(bytearray(1)), deadline)
-                _send_all(sock, [prefix, *buffers], deadline)
+                if fd is not None:  # the new segment's descriptor rides on the prefix
+                    sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+                    socket.send_fds(sock, [prefix], [fd])
+                    _send_all(sock, body, deadline)
+                else:
+                    _send_all(sock, [memoryview(prefix), *body], deadline)
             except (OSError, EOFError) as exc:
                 self._fail(exc, what, seconds, peer, "sending to")
+        if fd is not None:
+            os.close(fd)  # the peers hold their own descriptors now; the mapping stays
         self.sent += 1
 
     def receive(self, *, what: str, timeout: float | None) -> torch.Tensor:
@@ -130,23 +164,63 @@ class LocalLink:
         sock = self.peers[self.src]
         deadline = time.monotonic() + seconds
         try:
-            prefix = bytearray(_PREFIX.size)
-            _recv_exact(sock, memoryview(prefix), deadline)
-            magic, sequence, nbytes = _PREFIX.unpack(prefix)
-            if magic != _MAGIC or sequence != self.sent:
+            prefix, fd = _recv_prefix(sock, deadline)
+            magic, sequence, nbytes, mode, segment = _PREFIX.unpack(prefix)
+            if (
+                magic != _MAGIC
+                or sequence != self.sent
+                or (mode == _NEW_SEGMENT) != (fd is not None)
+            ):
                 self.close()
                 raise CollectiveError(
                     f"{what} on rank {self.rank}: local link from rank {self.src} is out of step "
                     f"(frame {sequence}, magic {magic:#x}; expected frame {self.sent}); end the job"
                 )
+            if fd is not None:
+                self._map(fd, segment)
             body = torch.empty(nbytes, dtype=torch.uint8)
-            if nbytes:
+            if mode == _INLINE and nbytes:
                 _recv_exact(sock, body.numpy().data, deadline)
+            elif nbytes:
+                assert self.shared is not None  # mapped at this frame or an earlier one
+                np.copyto(body.numpy(), self.shared[:nbytes])
             sock.sendall(b"\1")
         except (OSError, EOFError) as exc:
             self._fail(exc, what, seconds, self.src, "receiving from")
         self.sent += 1
         return body
+
+    def _shared_write(self, buffers: list[memoryview], nbytes: int) -> int | None:
+        """Copy the body into the shared segment (a larger new one when it does not fit).
+
+        Returns the new segment's descriptor to hand to the peers, or None when the current one
+        held it. Only called once every peer acknowledged the previous frame.
+        """
+        fd = None
+        if self.shared is None or nbytes > self.shared_bytes:
+            size = max(nbytes + nbytes // 4, 2 * self.shared_bytes, 1 << 20)
+            fd = os.memfd_create(f"megapack-link-{self.src}", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, size)
+                self._map(fd, size, close=False)
+            except OSError:
+                os.close(fd)
+                raise
+        assert self.shared is not None
+        offset = 0
+        for b in buffers:
+            self.shared[offset : offset + len(b)] = np.frombuffer(b, dtype=np.uint8)
+            offset += len(b)
+        return fd
+
+    def _map(self, fd: int, size: int, *, close: bool = True) -> None:
+        """Map segment ``fd`` of ``size`` bytes as this link's shared memory (dropping the old one)."""
+        try:
+            self.shared = np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
+            self.shared_bytes = size
+        finally:
+            if close:
+                os.close(fd)
 
     def close(self) -> None:
         """Close every socket (peers blocked on them see the end of the stream at once)."""
@@ -274,14 +348,16 @@ def _accept(listener: socket.socket, count: int, what: str) -> dict[int, socket.
 
 
 def _buffer(part: Any) -> memoryview:
+    """A flat byte view of ``part`` (bytes-like, or a CPU tensor), without a copy where it can."""
     if isinstance(part, torch.Tensor):
+        if part.dtype == torch.uint8 and part.dim() == 1 and part.is_contiguous():
+            return part.numpy().data  # the pieces `encode_fields` gives: no reshaping needed
         return part.contiguous().view(torch.uint8).numpy().reshape(-1).data
     return memoryview(part).cast("B")
 
 
-def _send_all(sock: socket.socket, buffers: list[Any], deadline: float) -> None:
-    views = [memoryview(b).cast("B") for b in buffers]
-    views = [v for v in views if len(v)]
+def _send_all(sock: socket.socket, buffers: list[memoryview], deadline: float) -> None:
+    views = [v for v in buffers if len(v)]
     while views:
         sock.settimeout(max(deadline - time.monotonic(), 1e-3))
         sent = sock.sendmsg(views)
@@ -292,6 +368,21 @@ def _send_all(sock: socket.socket, buffers: list[Any], deadline: float) -> None:
             else:
                 views[0] = views[0][sent:]
                 sent = 0
+
+
+def _recv_prefix(sock: socket.socket, deadline: float) -> tuple[bytes, int | None]:
+    """A frame's prefix and the segment descriptor that may ride on it (SCM_RIGHTS)."""
+    sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+    data, fds, _flags, _addr = socket.recv_fds(sock, _PREFIX.size, 1)
+    if not data:
+        raise EOFError("end of stream")
+    if (
+        len(data) < _PREFIX.size
+    ):  # the rest of a split prefix (ancillary data came with the first byte)
+        rest = bytearray(_PREFIX.size - len(data))
+        _recv_exact(sock, memoryview(rest), deadline)
+        data += bytes(rest)
+    return data, (fds[0] if fds else None)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:

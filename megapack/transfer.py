@@ -173,11 +173,13 @@ def _send(
     error: Exception | None = None
     chunks: list[torch.Tensor] = []
     fields: dict[str, torch.Tensor | None] = {}
+    control = split_control(topo)
+    link = _link(topo, timeout) if control is None else None
     try:
         if data_iterator is None:
             header = _without_iterator(topo, options)
         else:
-            header, chunks, fields = _encode_item(next(data_iterator), topo, options)
+            header, chunks, fields = _encode_item(next(data_iterator), topo, options, link)
     except StopIteration:
         header, chunks = Header(status=Status.STOP, stage=topo.stage), []
     except Exception as exc:
@@ -189,11 +191,11 @@ def _send(
             [message.to(topo.device)],
             exc,
         )
-    if (control := split_control(topo)) is not None:
+    if control is not None:
         payload = send_split(header, chunks, topo, control, timeout)
-    elif (link := _link(topo, timeout)) is not None:
-        payload = join(chunks, topo.device)
-        link.send([header.to_bytes(), payload], what=_what(topo, "frame"), timeout=timeout)
+    elif link is not None:  # scatter-gather: the pieces go out as they are, nothing joined
+        link.send([header.to_bytes(), *chunks], what=_what(topo, "frame"), timeout=timeout)
+        payload = chunks[0] if header.status == Status.ERROR else torch.empty(0, dtype=torch.uint8)
     else:
         payload = _send_frame(header, chunks, topo, state, timeout)
     _settle(state, header)
@@ -209,9 +211,15 @@ def _send(
 
 
 def _encode_item(
-    item: Any, topo: Topology, options: _SourceOptions
+    item: Any, topo: Topology, options: _SourceOptions, link: LocalLink | None
 ) -> tuple[Header, list[torch.Tensor], dict[str, torch.Tensor | None]]:
-    """Normalize, take this CP rank's share, encode for this stage; also the fields encoded."""
+    """Normalize, take this CP rank's share, encode for this stage; also the fields encoded.
+
+    On a local link the pieces stay unjoined (it sends them scatter-gather) and the per-token
+    fields travel in full: the link moves bytes with a memcpy (shared memory for large bodies),
+    which costs less than the lean forms' encoding and rebuilding (2-core CPU, tp=2: about 0.1 ms
+    a call at 4,096 tokens, 0.5 ms at 32,768). Gloo and NCCL frames cross a wire: always lean.
+    """
     layout, tensors, scalars = normalize(item)
     if options.packed is not None and (layout == Layout.PACKED) != options.packed:
         raise ValueError(
@@ -231,7 +239,9 @@ def _encode_item(
         tp_size=topo.tp_size, sequence_parallel=options.sequence_parallel, stage=topo.stage,
     )  # fmt: skip
     share = Share(topo.cp_size, topo.cp_rank, options.cp_layout)
-    header, chunks = encode_fields(layout, tensors, scalars, topo.stage, topo.device, share=share)
+    on_wire = link is None
+    header, chunks = encode_fields(layout, tensors, scalars, topo.stage, topo.device, share=share,
+                                   lean=on_wire, assemble=on_wire)  # fmt: skip
     return header, chunks, tensors
 
 

@@ -195,12 +195,15 @@ def encode_fields(
     *,
     share: Share | None = None,
     lean: bool = True,
+    assemble: bool = True,
 ) -> tuple[Header, list[torch.Tensor]]:
     """Lay out already normalized fields (`normalize`, then maybe `megapack.cp_share`) for ``stage``.
 
     Grid fields travel in their lean forms (`megapack.codec`; ``lean=False``: in full, as protocol
-    v3 did, for comparisons). The pieces are built on the host; for a CUDA ``device`` they are
-    joined into one pinned buffer and copied with one asynchronous host-to-device copy.
+    v3 did). The pieces are built on the host; for a CUDA ``device`` they are joined into one
+    pinned buffer and copied with one asynchronous host-to-device copy. ``assemble=False`` (host
+    pieces, for a scatter-gather send) returns the pieces and their zero padding as they are,
+    views of the batch's own tensors where a field travels in full: nothing is copied.
     """
     share = share if share is not None else Share()
     grid = [t for f in FIELDS if f.shape == "grid" and (t := tensors.get(f.name)) is not None]
@@ -232,7 +235,7 @@ def encode_fields(
         t = values[name] if name in values else tensors[name]
         assert t is not None  # pieces() lists present fields only
         parts.append(as_dtype(t, dtype))
-    if all(t.is_cpu for t in parts):  # the usual case: one host buffer, filled in place
+    if assemble and all(t.is_cpu for t in parts):  # the usual case: one host buffer, in place
         payload = _assemble(parts)
         return Header(**fields, nbytes=payload.numel()), _to_device([payload], device)
     chunks, nbytes = [], 0

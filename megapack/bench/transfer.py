@@ -2,7 +2,8 @@
 
 * ``megapack``: `megapack.get_batch_on_this_tp_rank`, validation and PackedSeqParams included,
   as it runs by default: TP peers on one host get the frame over a local link
-  (`megapack.local_link`, Unix sockets; no gloo collective per call).
+  (`megapack.local_link`: Unix sockets, shared memory for bodies of 64 KiB or more; no gloo
+  collective per call; the per-token fields in full, since the link moves bytes by memcpy).
 * ``megapack_gloo``: the same call with links off ($MEGAPACK_LOCAL_LINK=0): one gloo broadcast
   of the frame, the transport of TP groups spread over hosts (shown so the link's share is plain).
 * ``per_tensor``: what Megatron-LM's ``get_batch_on_this_tp_rank`` does for a packed batch: one
@@ -11,7 +12,8 @@
   ``max_seqlen`` broadcast with another host sync: 7 collectives.
 * ``bare_megatron``: one broadcast of a uint8 buffer as large as Megatron's tensors (int64 tokens,
   labels and position_ids, float32 loss_mask, int32 cu_seqlens): the floor for Megatron's bytes.
-* ``bare_payload``: one broadcast of exactly megapack's payload bytes: the floor for megapack's.
+* ``bare_payload``: one broadcast of exactly megapack's lean payload bytes (what a gloo or NCCL
+  frame carries, `megapack.codec`): the floor for megapack's bytes on a wire.
 * ``prefetch``: `megapack.prefetch` (depth 2) feeding a loop whose step is ``next()`` plus a
   simulated compute step (a sleep of 5 ms per 4,096 tokens: GPU compute leaves the host idle);
   reported as the time the step spends blocked in ``next()`` and the step time over the compute
@@ -118,9 +120,10 @@ def _prefetch_steps(
     with prefetch(data, topology=topo, depth=PREFETCH_DEPTH) as batches:
         for rep in range(warmup + repeats):
             start = time.perf_counter()
-            next(batches)
+            batch_k = next(batches)
             got = time.perf_counter()
             time.sleep(compute_s)
+            del batch_k  # a step uses its batch through the compute (not freed inside next())
             end = time.perf_counter()
             # the model's TP sync point: every rank's step ends with the slowest
             waited, step, compute = _slowest([got - start, end - start, end - got], topo.tp_group)

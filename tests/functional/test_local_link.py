@@ -31,8 +31,18 @@ def _frame(i: int, n: int) -> torch.Tensor:
     )
 
 
-def run_frames(src: int) -> list[tuple[int, str]]:
-    """Every rank: (bytes, sha256) of each frame, sent by ``src`` or received."""
+def run_frames(src: int, shared: bool = True) -> tuple[list[tuple[int, str]], int]:
+    """Every rank: (bytes, sha256) of each frame, sent by ``src`` or received; and the size of
+    the link's shared segment (bodies of 64 KiB or more go through it unless ``shared`` is off)."""
+    ok = local_link._SHARED_OK
+    local_link._SHARED_OK = ok and shared
+    try:
+        return _frames(src)
+    finally:
+        local_link._SHARED_OK = ok  # the pool's worker processes live on
+
+
+def _frames(src: int) -> tuple[list[tuple[int, str]], int]:
     group = dist.new_group(list(range(dist.get_world_size())))
     link = link_for(group, src)
     assert link is not None and link is link_for(group, src)  # cached: set up once
@@ -48,13 +58,20 @@ def run_frames(src: int) -> list[tuple[int, str]]:
             assert int.from_bytes(bytes(got[:8].tolist()), "little") == n
         seen.append((got.numel() - 8, hashlib.sha256(got[8:].numpy().tobytes()).hexdigest()))
     dist.barrier()
-    return seen
+    return seen, link.shared_bytes
 
 
-def test_frames_arrive_whole_and_in_order(dist_pool: Any) -> None:
-    results = dist_pool.run(run_frames, 3, 1, timeout=60)
-    assert all(r == results[0] for r in results), "peers got other bytes than the source sent"
-    assert [n for n, _ in results[0]] == SIZES * 2
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-memory", "socket-only"])
+def test_frames_arrive_whole_and_in_order(dist_pool: Any, shared: bool) -> None:
+    results = dist_pool.run(run_frames, 3, 1, shared, timeout=60)
+    frames = [seen for seen, _ in results]
+    assert all(f == frames[0] for f in frames), "peers got other bytes than the source sent"
+    assert [n for n, _ in frames[0]] == SIZES * 2
+    segments = {size for _, size in results}
+    if shared and local_link._SHARED_OK:  # grown past the 3 MB body, the same on every rank
+        assert len(segments) == 1 and segments.pop() >= SIZES[-1] + 8, results
+    else:
+        assert segments == {0}, results
 
 
 def run_fallback(refuse_on: int) -> tuple[bool, list[list[int]]]:

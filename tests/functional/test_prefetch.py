@@ -6,6 +6,8 @@ with prefetch live in test_fault_injection.py (path ids ``prefetch`` and ``prefe
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -193,6 +195,28 @@ def test_prefetch_arguments_are_validated() -> None:
         megapack.prefetch(iter([]), depth=0)
     with pytest.raises(TypeError, match=r"prefetch got unknown options \['cp_layuot'\]"):
         megapack.prefetch(iter([]), depth=1, cp_layuot="row")
+    for nice in (-1, 20, True, 2.5):
+        with pytest.raises(
+            ValueError, match=f"prefetch nice must be an int from 0 to 19, got {nice}"
+        ):
+            megapack.prefetch(iter([]), nice=nice)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+@pytest.mark.parametrize("nice", [0, 10, 19])
+def test_prefetch_thread_runs_at_lower_priority(nice: int) -> None:
+    # The thread lowers only its own priority (by `nice`, capped at 19); the caller keeps its own.
+    rows = [megapack.PackedBatch.from_documents([[1, 2, 3]]) for _ in range(3)]
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with megapack.prefetch(
+        iter(rows), topology=megapack.Topology.single(), depth=1, nice=nice
+    ) as it:
+        first = next(it)  # the thread has started and set its priority before this batch
+        tid = it._thread.native_id
+        assert tid is not None
+        assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, mine + nice)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+        assert first["cu_seqlens"].tolist() == [0, 3] and len(list(it)) == 2
 
 
 def run_prefetch_options(tp: int) -> list[str]:
