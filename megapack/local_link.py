@@ -135,6 +135,8 @@ class LocalLink:
                 or sequence != self.sent
                 or (mode == _NEW_SEGMENT) != (fd is not None)
             ):
+                if fd is not None:
+                    os.close(fd)
                 self.close()
                 raise CollectiveError(
                     f"{what} on rank {self.rank}: local link from rank {self.src} is out of step "

@@ -196,7 +196,7 @@ def _send(
         payload = send_split(header, chunks, topo, control, timeout)
     elif link is not None:  # scatter-gather: the pieces go out as they are, nothing joined
         link.send([header.to_bytes(), *chunks], what=_what(topo, "frame"), timeout=timeout)
-        payload = chunks[0] if header.status == Status.ERROR else torch.empty(0, dtype=torch.uint8)
+        payload = chunks[0] if chunks else torch.empty(0, dtype=torch.uint8)  # a CPU source: unread
     else:
         payload = _send_frame(header, chunks, topo, state, timeout)
     _settle(state, header)
