@@ -192,11 +192,14 @@ def _send(
             [message.to(topo.device)],
             exc,
         )
+    payload: (
+        torch.Tensor | None
+    )  # what peers decode; None when the link sent the pieces as they are
     if control is not None:
         payload = send_split(header, chunks, topo, control, timeout)
     elif link is not None:  # scatter-gather: the pieces go out as they are, nothing joined
         link.send([header.to_bytes(), *chunks], what=_what(topo, "frame"), timeout=timeout)
-        payload = chunks[0] if chunks else torch.empty(0, dtype=torch.uint8)  # a CPU source: unread
+        payload = None
     else:
         payload = _send_frame(header, chunks, topo, state, timeout)
     _settle(state, header)
@@ -204,7 +207,7 @@ def _send(
         raise StopIteration
     if error is not None:
         raise error
-    if topo.device.type == "cpu":  # the fields it encoded are what every peer decodes
+    if payload is None or topo.device.type == "cpu":  # what it encoded is what peers decode
         return source_outputs(header, fields, cp_group=topo.cp_group)
     return decode(
         header, payload, cp_group=topo.cp_group, cp_size=topo.cp_size, cp_rank=topo.cp_rank

@@ -282,7 +282,9 @@ def pieces(header: Header) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
 
 def _to_device(chunks: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Host pieces to ``device``: one pinned buffer and one non-blocking copy for CUDA."""
-    if device.type == "cpu" or not chunks or all(c.device == device for c in chunks):
+    if all(c.device == device for c in chunks):  # the usual CPU case: nothing to move
+        return chunks
+    if device.type == "cpu":
         return [c.to(device) for c in chunks]
     host = torch.cat([c.cpu() for c in chunks])
     return [host.pin_memory().to(device, non_blocking=True)]
