@@ -77,6 +77,65 @@ class PackedBatch:
         Returns:
             self, so that ``batch = PackedBatch(...).validate()`` reads naturally.
         """
+        if not self._grid_ok():
+            self._check_grid()  # raises, naming the field
+        total = self.num_tokens
+        if total == 0:
+            raise ValueError("PackedBatch.tokens is empty (T == 0)")
+        real = _check_cu("PackedBatch.cu_seqlens", self.cu_seqlens)
+        segments = real
+        if self.cu_seqlens_padded is None:
+            if real[-1] != total:
+                raise ValueError(
+                    f"PackedBatch.cu_seqlens ends at {real[-1]} but the buffer has T={total} tokens; "
+                    "cover trailing padding with a final segment or give cu_seqlens_padded"
+                )
+        else:
+            segments = self._check_padded(real, total)
+        if not isinstance(self.max_seqlen, int) or isinstance(self.max_seqlen, bool):
+            raise TypeError(
+                f"PackedBatch.max_seqlen must be a Python int, got {type(self.max_seqlen).__name__} "
+                f"({self.max_seqlen!r}); use int(...)"
+            )
+        longest = int((segments[1:] - segments[:-1]).max())
+        if self.max_seqlen < longest:
+            raise ValueError(
+                f"PackedBatch.max_seqlen={self.max_seqlen} is below the longest segment ({longest})"
+            )
+        return self
+
+    def _grid_ok(self) -> bool:
+        """The grid fields' contract in one pass, no message (`validate` runs on every transfer)."""
+        tokens, labels, positions, mask = (
+            self.tokens,
+            self.labels,
+            self.position_ids,
+            self.loss_mask,
+        )
+        if not (
+            type(tokens) is torch.Tensor
+            and type(labels) is torch.Tensor
+            and type(positions) is torch.Tensor
+            and type(mask) is torch.Tensor
+        ):
+            return False
+        shape = tokens.shape
+        return (
+            len(shape) == 2
+            and shape[0] == 1
+            and labels.shape == shape
+            and positions.shape == shape
+            and mask.shape == shape
+            and tokens.dtype == TOKEN_DTYPE
+            and labels.dtype == TOKEN_DTYPE
+            and positions.dtype == TOKEN_DTYPE
+            and mask.dtype == MASK_DTYPE
+            and tokens.get_device() == labels.get_device() == positions.get_device()
+            and mask.get_device() == tokens.get_device()
+        )
+
+    def _check_grid(self) -> None:
+        """The grid fields' contract, raising TypeError/ValueError naming the first field that breaks it."""
         grid = ("tokens", "labels", "position_ids", "loss_mask")
         for name in grid:
             value = getattr(self, name)
@@ -100,46 +159,26 @@ class PackedBatch:
                 raise ValueError(
                     f"PackedBatch.{name} is on {value.device} but tokens is on {self.tokens.device}"
                 )
-        total = self.num_tokens
-        if total == 0:
-            raise ValueError("PackedBatch.tokens is empty (T == 0)")
-        real = _check_cu("PackedBatch.cu_seqlens", self.cu_seqlens)
-        segments = real
-        if self.cu_seqlens_padded is None:
-            if real[-1] != total:
-                raise ValueError(
-                    f"PackedBatch.cu_seqlens ends at {real[-1]} but the buffer has T={total} tokens; "
-                    "cover trailing padding with a final segment or give cu_seqlens_padded"
-                )
-        else:
-            padded = _check_cu("PackedBatch.cu_seqlens_padded", self.cu_seqlens_padded)
-            if len(padded) != len(real):
-                raise ValueError(
-                    f"PackedBatch.cu_seqlens_padded has {len(padded)} entries but cu_seqlens has {len(real)}"
-                )
-            if padded[-1] != total:
-                raise ValueError(
-                    f"PackedBatch.cu_seqlens_padded ends at {padded[-1]} but the buffer has T={total} tokens"
-                )
-            short = np.flatnonzero(np.diff(padded) < np.diff(real))
-            if len(short):
-                i = int(short[0])
-                raise ValueError(
-                    f"PackedBatch.cu_seqlens_padded segment {i} holds {padded[i + 1] - padded[i]} "
-                    f"positions but document {i} has {real[i + 1] - real[i]} tokens"
-                )
-            segments = padded
-        if not isinstance(self.max_seqlen, int) or isinstance(self.max_seqlen, bool):
-            raise TypeError(
-                f"PackedBatch.max_seqlen must be a Python int, got {type(self.max_seqlen).__name__} "
-                f"({self.max_seqlen!r}); use int(...)"
-            )
-        longest = int(np.diff(segments).max())
-        if self.max_seqlen < longest:
+
+    def _check_padded(self, real: np.ndarray, total: int) -> np.ndarray:
+        """``cu_seqlens_padded`` checked against the real boundaries and T; its values."""
+        padded = _check_cu("PackedBatch.cu_seqlens_padded", self.cu_seqlens_padded)
+        if len(padded) != len(real):
             raise ValueError(
-                f"PackedBatch.max_seqlen={self.max_seqlen} is below the longest segment ({longest})"
+                f"PackedBatch.cu_seqlens_padded has {len(padded)} entries but cu_seqlens has {len(real)}"
             )
-        return self
+        if padded[-1] != total:
+            raise ValueError(
+                f"PackedBatch.cu_seqlens_padded ends at {padded[-1]} but the buffer has T={total} tokens"
+            )
+        short = np.flatnonzero(np.diff(padded) < np.diff(real))
+        if len(short):
+            i = int(short[0])
+            raise ValueError(
+                f"PackedBatch.cu_seqlens_padded segment {i} holds {padded[i + 1] - padded[i]} "
+                f"positions but document {i} has {real[i + 1] - real[i]} tokens"
+            )
+        return padded
 
     def to_packed_seq_params(self) -> PackedSeqParams:
         """megatron-core's ``PackedSeqParams(qkv_format="thd", ...)`` for this batch."""
@@ -303,12 +342,11 @@ def _check_cu(name: str, cu: Any) -> np.ndarray:
     if cu.dim() != 1:
         raise ValueError(f"{name} has shape {tuple(cu.shape)}; expected 1-D [n + 1]")
     _check_dtype(name, cu, CU_DTYPE)
-    values = cu.cpu().numpy().astype(np.int64)
+    values = (cu.numpy() if cu.get_device() < 0 else cu.cpu().numpy()).astype(np.int64)
     if len(values) < 2 or values[0] != 0:
         raise ValueError(f"{name} must start at 0 and hold >= 2 entries, got {values[:8].tolist()}")
-    bad = np.flatnonzero(values[1:] <= values[:-1])
-    if len(bad):
-        i = int(bad[0]) + 1
+    if (values[1:] <= values[:-1]).any():
+        i = int(np.flatnonzero(values[1:] <= values[:-1])[0]) + 1
         raise ValueError(
             f"{name} is not strictly increasing: {values[i]} follows {values[i - 1]} at index {i}"
         )

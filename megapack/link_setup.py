@@ -82,13 +82,13 @@ def link_for(
     """
     if not links_enabled() or group is None:
         return None
-    by_src = _links.setdefault(group, {})
-    if src in by_src:
+    by_src = _links.get(group)  # not setdefault: that builds a weakref and a dict every call
+    if by_src is not None and src in by_src:
         link = by_src[src]
         if link is None or not link.closed:
             return link
     link = _connect(group, src, timeout)
-    by_src[src] = link
+    _links.setdefault(group, {})[src] = link
     return link
 
 

@@ -32,7 +32,7 @@ Example (every rank of ``group``; source global rank 0)::
     if link is not None and rank == 0:
         link.send([header_bytes, payload], what="frame", timeout=None)
     elif link is not None:
-        body = link.receive(what="frame", timeout=None)   # uint8 tensor, header + payload
+        body = link.receive(what="frame", timeout=None)   # uint8 array, header + payload
 """
 
 from __future__ import annotations
@@ -122,8 +122,14 @@ class LocalLink:
             os.close(fd)  # the peers hold their own descriptors now; the mapping stays
         self.sent += 1
 
-    def receive(self, *, what: str, timeout: float | None) -> torch.Tensor:
-        """Peer: the next frame's body as a fresh uint8 CPU tensor (then acknowledge it)."""
+    def receive(
+        self, *, what: str, timeout: float | None, into: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Peer: the next frame's body as a uint8 array (then acknowledge it).
+
+        The body lands at the front of ``into`` (a uint8 array the caller prepared) when it
+        fits, else in a fresh array; either way nothing else holds the memory.
+        """
         seconds = comm.collective_timeout(timeout)
         sock = self.peers[self.src]
         deadline = time.monotonic() + seconds
@@ -144,12 +150,13 @@ class LocalLink:
                 )
             if fd is not None:
                 self._map(fd, segment)
-            body = torch.empty(nbytes, dtype=torch.uint8)
+            fits = into is not None and len(into) >= nbytes
+            body = into[:nbytes] if fits else np.empty(nbytes, dtype=np.uint8)  # type: ignore[index]
             if mode == _INLINE and nbytes:
-                recv_exact(sock, body.numpy().data, deadline)
+                recv_exact(sock, body.data, deadline)
             elif nbytes:
                 assert self.shared is not None  # mapped at this frame or an earlier one
-                np.copyto(body.numpy(), self.shared[:nbytes])
+                np.copyto(body, self.shared[:nbytes])
             sock.sendall(b"\1")
         except (OSError, EOFError) as exc:
             self._fail(exc, what, seconds, self.src, "receiving from")
@@ -209,7 +216,9 @@ class LocalLink:
 
 
 def _buffer(part: Any) -> memoryview:
-    """A flat byte view of ``part`` (bytes-like, or a CPU tensor), without a copy where it can."""
+    """A flat byte view of ``part`` (bytes-like, a numpy array, or a CPU tensor), without a copy where it can."""
+    if isinstance(part, np.ndarray) and part.dtype == np.uint8 and part.flags.c_contiguous:
+        return part.data  # a frame (`megapack.frame`)
     if isinstance(part, torch.Tensor):
         if part.dtype == torch.uint8 and part.dim() == 1 and part.is_contiguous():
             return part.numpy().data  # the pieces `encode_fields` gives: no reshaping needed

@@ -95,9 +95,9 @@ def receive_split(
     """Receiver side of `send_split`: (header, payload); an error's payload is its message, on CPU."""
     if (link := _link(topo, timeout)) is not None:
         body = link.receive(what=_what(topo, "header"), timeout=timeout)
-        header = Header.from_bytes(body.numpy())
+        header = Header.from_bytes(body)
         if header.status == Status.ERROR:
-            return header, body[HEADER_BYTES:]
+            return header, torch.from_numpy(body[HEADER_BYTES:])
     else:
         raw = torch.empty(HEADER_LEN, dtype=torch.int64)
         _header_broadcast(raw, topo, control, timeout)

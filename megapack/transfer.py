@@ -26,10 +26,11 @@ Collectives on the host wait at most the megapack timeout (`megapack.comm`) and 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,7 +39,8 @@ from megapack.codec import Share
 from megapack.cp import CP_LAYOUTS, CpLayout
 from megapack.cp_share import take_cp_share
 from megapack.errors import ProtocolError, RemoteDataError
-from megapack.inputs import Layout, normalize
+from megapack.frame import encode_frame, frame_outputs, prepare
+from megapack.inputs import Layout, Scalars, normalize
 from megapack.link_setup import link_for
 from megapack.local_link import LocalLink
 from megapack.side_groups import control_group
@@ -53,6 +55,7 @@ from megapack.wire import (
     Status,
     decode,
     encode_fields,
+    full_outputs,
     join,
     source_outputs,
 )
@@ -68,6 +71,8 @@ class _GroupState:
     """Payload bytes the next frame carries inline."""
     calls: int = 0
     """Calls so far, the step $MEGAPACK_DEBUG_SYNC's check compares."""
+    last: Header | None = None
+    """A peer's last local-link frame header, the layout it prepares the next buffer for."""
 
 
 # Keyed weakly by the TP process group: the state lives exactly as long as the group.
@@ -134,9 +139,7 @@ def get_batch_on_this_tp_rank(
     if packed is not None and not isinstance(packed, bool):
         raise TypeError(f"packed must be True, False or None, got {packed!r}")
     topo = topology if topology is not None else Topology.from_parallel_state()
-    state = (
-        _GroupState() if topo.tp_group is None else _states.setdefault(topo.tp_group, _GroupState())
-    )
+    state = _group_state(topo.tp_group)
     state.calls += 1
     if topo.tp_size > 1 and debug_sync_enabled():
         check_in_sync(
@@ -153,6 +156,15 @@ def get_batch_on_this_tp_rank(
         )
         return _send(data_iterator, topo, state, timeout, options)
     return _receive(topo, state, timeout)
+
+
+def _group_state(group: dist.ProcessGroup | None) -> _GroupState:
+    if group is None:
+        return _GroupState()
+    state = _states.get(group)  # not setdefault: that builds a weakref and a state every call
+    if state is None:
+        state = _states[group] = _GroupState()
+    return state
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,13 +186,20 @@ def _send(
     error: Exception | None = None
     chunks: list[torch.Tensor] = []
     fields: dict[str, torch.Tensor | None] = {}
+    frame: np.ndarray | None = None  # on a link: header and payload, one buffer
     control = split_control(topo)
     link = _link(topo, timeout) if control is None else None
     try:
         if data_iterator is None:
             header = _without_iterator(topo, options)
         else:
-            header, chunks, fields = _encode_item(next(data_iterator), topo, options, link)
+            layout, fields, scalars, share = _take_item(next(data_iterator), topo, options)
+            if link is not None:
+                header, frame = encode_frame(layout, fields, scalars, topo.stage, share)
+            else:
+                header, chunks = encode_fields(
+                    layout, fields, scalars, topo.stage, topo.device, share=share
+                )
     except StopIteration:
         header, chunks = Header(status=Status.STOP, stage=topo.stage), []
     except Exception as exc:
@@ -192,13 +211,11 @@ def _send(
             [message.to(topo.device)],
             exc,
         )
-    payload: (
-        torch.Tensor | None
-    )  # what peers decode; None when the link sent the pieces as they are
     if control is not None:
         payload = send_split(header, chunks, topo, control, timeout)
-    elif link is not None:  # scatter-gather: the pieces go out as they are, nothing joined
-        link.send([header.to_bytes(), *chunks], what=_what(topo, "frame"), timeout=timeout)
+    elif link is not None:
+        parts = [frame] if frame is not None else [header.to_bytes(), *chunks]
+        link.send(parts, what=_what(topo, "frame"), timeout=timeout)
         payload = None
     else:
         payload = _send_frame(header, chunks, topo, state, timeout)
@@ -207,22 +224,26 @@ def _send(
         raise StopIteration
     if error is not None:
         raise error
-    if payload is None or topo.device.type == "cpu":  # what it encoded is what peers decode
+    if frame is not None:  # the bytes its peers decode: their outputs and its own are the same
+        return full_outputs(header, frame[HEADER_BYTES:], cp_group=topo.cp_group)
+    if payload is None or topo.device.type == "cpu":
+        # a lean CPU frame: what it encoded is what peers decode (no lean forms to rebuild)
         return source_outputs(header, fields, cp_group=topo.cp_group)
     return decode(
         header, payload, cp_group=topo.cp_group, cp_size=topo.cp_size, cp_rank=topo.cp_rank
     )
 
 
-def _encode_item(
-    item: Any, topo: Topology, options: _SourceOptions, link: LocalLink | None
-) -> tuple[Header, list[torch.Tensor], dict[str, torch.Tensor | None]]:
-    """Normalize, take this CP rank's share, encode for this stage; also the fields encoded.
+def _take_item(
+    item: Any, topo: Topology, options: _SourceOptions
+) -> tuple[Layout, dict[str, torch.Tensor | None], Scalars, Share]:
+    """Normalize (validate) an item and take this CP rank's share: what the source encodes.
 
-    On a local link the pieces stay unjoined (it sends them scatter-gather) and the per-token
-    fields travel in full: the link moves bytes with a memcpy (shared memory for large bodies),
-    which costs less than the lean forms' encoding and rebuilding (2-core CPU, tp=2: about 0.1 ms
-    a call at 4,096 tokens, 0.5 ms at 32,768). Gloo and NCCL frames cross a wire: always lean.
+    On a local link that is one frame (`megapack.frame`) with the per-token fields in full: the
+    link moves bytes with a memcpy (shared memory for large bodies), which costs less than the
+    lean forms' encoding and rebuilding (2-core CPU, tp=2: about 0.1 ms a call at 4,096 tokens,
+    0.5 ms at 32,768), and the frame is also where the source's own outputs live. Gloo and NCCL
+    frames cross a wire: always lean (`megapack.wire.encode_fields`).
     """
     layout, tensors, scalars = normalize(item)
     if options.packed is not None and (layout == Layout.PACKED) != options.packed:
@@ -242,11 +263,7 @@ def _encode_item(
         layout, tensors, cp_size=topo.cp_size, cp_rank=topo.cp_rank, cp_layout=options.cp_layout,
         tp_size=topo.tp_size, sequence_parallel=options.sequence_parallel, stage=topo.stage,
     )  # fmt: skip
-    share = Share(topo.cp_size, topo.cp_rank, options.cp_layout)
-    on_wire = link is None
-    header, chunks = encode_fields(layout, tensors, scalars, topo.stage, topo.device, share=share,
-                                   lean=on_wire, assemble=on_wire)  # fmt: skip
-    return header, chunks, tensors
+    return layout, tensors, scalars, Share(topo.cp_size, topo.cp_rank, options.cp_layout)
 
 
 def _without_iterator(topo: Topology, options: _SourceOptions) -> Header:
@@ -271,24 +288,42 @@ def _receive(topo: Topology, state: _GroupState, timeout: float | None) -> dict[
     if (control := split_control(topo)) is not None:
         header, payload = receive_split(topo, control, timeout)
     elif (link := _link(topo, timeout)) is not None:
-        body = link.receive(what=_what(topo, "frame"), timeout=timeout)
-        header = Header.from_bytes(body.numpy())
-        payload = body[HEADER_BYTES:]
+        return _receive_link(link, topo, state, timeout)
     else:
         header, payload = _receive_frame(topo, state, timeout)
     _settle(state, header)
+    _check(header, topo, lambda: payload.cpu().numpy().tobytes())
+    return decode(
+        header, payload, cp_group=topo.cp_group, cp_size=topo.cp_size, cp_rank=topo.cp_rank
+    )
+
+
+def _receive_link(
+    link: LocalLink, topo: Topology, state: _GroupState, timeout: float | None
+) -> dict[str, Any]:
+    """A peer's frame over the local link, into the buffer it prepares while it waits."""
+    prepared = prepare(state.last)
+    into = None if prepared is None else prepared.buffer
+    body = link.receive(what=_what(topo, "frame"), timeout=timeout, into=into)
+    header = Header.from_bytes(body)
+    state.last = header
+    _settle(state, header)
+    _check(header, topo, lambda: body[HEADER_BYTES:].tobytes())
+    return frame_outputs(header, body, prepared, cp_group=topo.cp_group, cp_size=topo.cp_size,
+                         cp_rank=topo.cp_rank)  # fmt: skip
+
+
+def _check(header: Header, topo: Topology, message: Callable[[], bytes]) -> None:
+    """A peer's verdict on a header: StopIteration, the source's error, or a stage mismatch."""
     if header.status == Status.STOP:
         raise StopIteration
     if header.status == Status.ERROR:
-        raise RemoteDataError(topo.src_rank, bytes(payload.cpu().tolist()).decode(errors="replace"))
+        raise RemoteDataError(topo.src_rank, message().decode(errors="replace"))
     if header.stage != topo.stage:
         raise ProtocolError(
             f"TP source rank {topo.src_rank} serves pipeline stage {header.stage.value!r} but this rank "
             f"is on stage {topo.stage.value!r}: TP peers must share a pipeline stage (check the Topology)"
         )
-    return decode(
-        header, payload, cp_group=topo.cp_group, cp_size=topo.cp_size, cp_rank=topo.cp_rank
-    )
 
 
 def _send_frame(

@@ -85,7 +85,7 @@ OUTPUT_KEYS = (*(f.name for f in FIELDS), *SCALAR_KEYS, "packed_seq_params")
 MAGIC = 0x4D50_0004  # "MP" + protocol version 4 (lean grid fields: `megapack.codec`)
 HEADER_LEN = 24
 HEADER_BYTES = HEADER_LEN * 8
-_HEADER_STRUCT = struct.Struct(f"={HEADER_LEN}q")  # native, as the int64 tensor it travels in
+HEADER_STRUCT = struct.Struct(f"={HEADER_LEN}q")  # native, as the int64 tensor it travels in
 STAGE_CODES = {stage: i for i, stage in enumerate(Stage)}
 
 
@@ -121,7 +121,11 @@ class Header:
 
     def to_bytes(self) -> bytes:
         """The header's HEADER_BYTES bytes (24 native int64, as `to_tensor` holds them)."""
-        return _HEADER_STRUCT.pack(
+        return HEADER_STRUCT.pack(*self.values())
+
+    def values(self) -> tuple[int, ...]:
+        """The header's HEADER_LEN int64 slots, in wire order."""
+        return (
             MAGIC, self.status, STAGE_CODES[self.stage], self.layout, self.rows, self.cols,
             self.n_cu, self.n_cu_padded, self.max_seqlen, self.field_mask, self.nbytes,
             *self.mask_shape, self.samples, self.local_cp_size, self.codec, self.exceptions,
@@ -146,7 +150,7 @@ class Header:
                 f"megapack header has {size} bytes, not {HEADER_BYTES}: TP ranks are out of step "
                 "(every TP rank must call get_batch_on_this_tp_rank once per micro-step)"
             )
-        return cls._from_values(_HEADER_STRUCT.unpack_from(raw))
+        return cls._from_values(HEADER_STRUCT.unpack_from(raw))
 
     @classmethod
     def _from_values(cls, v: Any) -> Header:
@@ -164,13 +168,14 @@ class Header:
         )  # fmt: skip
 
     def shape_of(self, field: Field) -> tuple[int, ...]:
-        return {
-            "grid": (self.rows, self.cols),
-            "cu": (self.n_cu,),
-            "cu_padded": (self.n_cu_padded,),
-            "mask": self.mask_shape,
-            "samples": (self.samples,),
-        }[field.shape]
+        kind = field.shape
+        if kind == "grid":
+            return (self.rows, self.cols)
+        if kind == "cu":
+            return (self.n_cu,)
+        if kind == "cu_padded":
+            return (self.n_cu_padded,)
+        return self.mask_shape if kind == "mask" else (self.samples,)
 
 
 def encode(item: Any, stage: Stage, device: torch.device) -> tuple[Header, torch.Tensor]:
@@ -195,15 +200,13 @@ def encode_fields(
     *,
     share: Share | None = None,
     lean: bool = True,
-    assemble: bool = True,
 ) -> tuple[Header, list[torch.Tensor]]:
     """Lay out already normalized fields (`normalize`, then maybe `megapack.cp_share`) for ``stage``.
 
     Grid fields travel in their lean forms (`megapack.codec`; ``lean=False``: in full, as protocol
-    v3 did). The pieces are built on the host; for a CUDA ``device`` they are joined into one
-    pinned buffer and copied with one asynchronous host-to-device copy. ``assemble=False`` (host
-    pieces, for a scatter-gather send) returns the pieces and their zero padding as they are,
-    views of the batch's own tensors where a field travels in full: nothing is copied.
+    v3 did). The pieces are built on the host and joined into one buffer; for a CUDA ``device``
+    it is pinned and copied with one asynchronous host-to-device copy. A local link's frame,
+    every field in full behind the header, is `encode_frame`'s.
     """
     share = share if share is not None else Share()
     grid = [t for f in FIELDS if f.shape == "grid" and (t := tensors.get(f.name)) is not None]
@@ -235,7 +238,7 @@ def encode_fields(
         t = values[name] if name in values else tensors[name]
         assert t is not None  # pieces() lists present fields only
         parts.append(as_dtype(t, dtype))
-    if assemble and all(t.is_cpu for t in parts):  # the usual case: one host buffer, in place
+    if all(t.is_cpu for t in parts):  # the usual case: one host buffer, in place
         payload = _assemble(parts)
         return Header(**fields, nbytes=payload.numel()), _to_device([payload], device)
     chunks, nbytes = [], 0
@@ -263,7 +266,7 @@ def _assemble(parts: list[torch.Tensor]) -> torch.Tensor:
     return payload
 
 
-_NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32,
+NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32,
           torch.uint8: np.uint8, torch.bool: np.bool_}  # fmt: skip
 _ZEROS = torch.zeros(8, dtype=torch.uint8)  # alignment padding (read-only)
 
@@ -308,6 +311,8 @@ def decode(
     ``cp_group`` (the context-parallel group, None without CP) goes into ``packed_seq_params``;
     ``cp_size`` and ``cp_rank`` say which share of the row this rank's grid fields hold.
     """
+    if header.codec == 0 and payload.is_cpu:  # every field in full (a local link's frame)
+        return full_outputs(header, payload.numpy(), cp_group=cp_group)
     out: dict[str, Any] = dict.fromkeys(OUTPUT_KEYS)
     views: dict[str, torch.Tensor] = {}
     offset = 0
@@ -315,7 +320,7 @@ def decode(
     for name, dtype, shape in pieces(header):
         size = math.prod(shape) * dtype.itemsize
         views[name] = (
-            torch.from_numpy(host[offset : offset + size].view(_NUMPY[dtype]).reshape(shape))
+            torch.from_numpy(host[offset : offset + size].view(NUMPY_DTYPES[dtype]).reshape(shape))
             if host is not None
             else payload[offset : offset + size].view(dtype).view(shape)
         )
@@ -327,6 +332,33 @@ def decode(
     share = Share(cp_size, cp_rank, CP_LAYOUTS[header.cp_layout])
     out |= expand(views, present, header.codec, header.layout, out, header.rows, header.cols,
                   share, payload.device)  # fmt: skip
+    return _with_scalars(out, header, cp_group)
+
+
+def full_outputs(
+    header: Header,
+    host: np.ndarray,
+    *,
+    cp_group: dist.ProcessGroup | None = None,
+    ready: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """`decode`'s output for a ``codec`` 0 payload (every field in full, pieces in FIELDS order)
+    held in the uint8 array ``host``: views of it. ``ready`` holds fields already viewed at their
+    place in ``host`` (`megapack.frame.prepare`); the caller vouches for their offsets and shapes.
+    """
+    out: dict[str, Any] = dict.fromkeys(OUTPUT_KEYS)
+    offset = 0
+    for i, f in enumerate(FIELDS):
+        if header.field_mask >> i & 1:
+            shape = header.shape_of(f)
+            size = math.prod(shape) * f.dtype.itemsize
+            if ready is not None and f.name in ready:
+                out[f.name] = ready[f.name]
+            else:
+                view: np.ndarray = host[offset : offset + size].view(NUMPY_DTYPES[f.dtype])
+                view = view.reshape(shape)
+                out[f.name] = torch.from_numpy(view)
+            offset += size + (-size % 8)
     return _with_scalars(out, header, cp_group)
 
 

@@ -54,7 +54,7 @@ def _frames(src: int) -> tuple[list[tuple[int, str]], int]:
             link.send([header, body], what="test frame", timeout=20)
             got = torch.cat([torch.frombuffer(bytearray(header), dtype=torch.uint8), body])
         else:
-            got = link.receive(what="test frame", timeout=20)
+            got = torch.from_numpy(link.receive(what="test frame", timeout=20))
             assert int.from_bytes(bytes(got[:8].tolist()), "little") == n
         seen.append((got.numel() - 8, hashlib.sha256(got[8:].numpy().tobytes()).hexdigest()))
     dist.barrier()

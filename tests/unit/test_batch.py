@@ -218,6 +218,29 @@ def test_validate_names_field_and_value() -> None:
             dataclasses.replace(good, **change).validate()
 
 
+class _Tagged(torch.Tensor):
+    """A tensor subclass, as tensor-wrapping libraries hand out."""
+
+
+@pytest.mark.parametrize("name", ["tokens", "labels", "position_ids", "loss_mask"])
+def test_validate_names_every_grid_field_it_refuses(name: str) -> None:
+    good = PackedBatch.from_documents([[5, 6, 7], [8, 9]])
+    value = getattr(good, name)
+    wrong = torch.float64 if name == "loss_mask" else torch.int32
+    cases = {
+        rf"PackedBatch.{name} must be a torch.Tensor, got list": value.tolist(),
+        rf"PackedBatch.{name} has dtype torch.{str(wrong)[6:]}": value.to(wrong),
+        rf"PackedBatch.{name} has shape \(2, 5\); THD batches are \[1, T\]": value.repeat(2, 1),
+    }
+    if name != "tokens":
+        cases[rf"PackedBatch.{name} has shape \(1, 4\) but tokens has \(1, 5\)"] = value[:, :4]
+    for match, bad in cases.items():
+        with pytest.raises((ValueError, TypeError), match=match):
+            dataclasses.replace(good, **{name: bad}).validate()
+    tagged = dataclasses.replace(good, **{name: value.as_subclass(_Tagged)})
+    assert tagged.validate() is tagged  # a subclass is a tensor: the careful path accepts it
+
+
 def reference_pack(docs: list[list[int]], pad: int) -> dict[str, list[int]]:
     """Straightforward per-token construction used as the reference for from_documents."""
     out: dict[str, list[int]] = {"tokens": [], "labels": [], "mask": [], "pos": [], "cu": [0]}
