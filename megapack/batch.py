@@ -82,8 +82,7 @@ class PackedBatch:
         total = self.num_tokens
         if total == 0:
             raise ValueError("PackedBatch.tokens is empty (T == 0)")
-        real = _check_cu("PackedBatch.cu_seqlens", self.cu_seqlens)
-        segments = real
+        real, lengths = _check_cu("PackedBatch.cu_seqlens", self.cu_seqlens)
         if self.cu_seqlens_padded is None:
             if real[-1] != total:
                 raise ValueError(
@@ -91,13 +90,13 @@ class PackedBatch:
                     "cover trailing padding with a final segment or give cu_seqlens_padded"
                 )
         else:
-            segments = self._check_padded(real, total)
+            lengths = self._check_padded(real, lengths, total)
         if not isinstance(self.max_seqlen, int) or isinstance(self.max_seqlen, bool):
             raise TypeError(
                 f"PackedBatch.max_seqlen must be a Python int, got {type(self.max_seqlen).__name__} "
                 f"({self.max_seqlen!r}); use int(...)"
             )
-        longest = int((segments[1:] - segments[:-1]).max())
+        longest = int(lengths.max())
         if self.max_seqlen < longest:
             raise ValueError(
                 f"PackedBatch.max_seqlen={self.max_seqlen} is below the longest segment ({longest})"
@@ -112,12 +111,7 @@ class PackedBatch:
             self.position_ids,
             self.loss_mask,
         )
-        if not (
-            type(tokens) is torch.Tensor
-            and type(labels) is torch.Tensor
-            and type(positions) is torch.Tensor
-            and type(mask) is torch.Tensor
-        ):
+        if not type(tokens) is type(labels) is type(positions) is type(mask) is torch.Tensor:
             return False
         shape = tokens.shape
         return (
@@ -160,9 +154,9 @@ class PackedBatch:
                     f"PackedBatch.{name} is on {value.device} but tokens is on {self.tokens.device}"
                 )
 
-    def _check_padded(self, real: np.ndarray, total: int) -> np.ndarray:
-        """``cu_seqlens_padded`` checked against the real boundaries and T; its values."""
-        padded = _check_cu("PackedBatch.cu_seqlens_padded", self.cu_seqlens_padded)
+    def _check_padded(self, real: np.ndarray, lengths: np.ndarray, total: int) -> np.ndarray:
+        """``cu_seqlens_padded`` checked against the real boundaries and T; its segments' lengths."""
+        padded, segments = _check_cu("PackedBatch.cu_seqlens_padded", self.cu_seqlens_padded)
         if len(padded) != len(real):
             raise ValueError(
                 f"PackedBatch.cu_seqlens_padded has {len(padded)} entries but cu_seqlens has {len(real)}"
@@ -171,14 +165,14 @@ class PackedBatch:
             raise ValueError(
                 f"PackedBatch.cu_seqlens_padded ends at {padded[-1]} but the buffer has T={total} tokens"
             )
-        short = np.flatnonzero(np.diff(padded) < np.diff(real))
+        short = np.flatnonzero(segments < lengths)
         if len(short):
             i = int(short[0])
             raise ValueError(
                 f"PackedBatch.cu_seqlens_padded segment {i} holds {padded[i + 1] - padded[i]} "
                 f"positions but document {i} has {real[i + 1] - real[i]} tokens"
             )
-        return padded
+        return segments
 
     def to_packed_seq_params(self) -> PackedSeqParams:
         """megatron-core's ``PackedSeqParams(qkv_format="thd", ...)`` for this batch."""
@@ -335,8 +329,9 @@ def _check_dtype(name: str, value: torch.Tensor, want: torch.dtype) -> None:
         raise TypeError(f"{name} has dtype {value.dtype}; expected {want}")
 
 
-def _check_cu(name: str, cu: Any) -> np.ndarray:
-    """The boundaries as int64 numpy (one copy to the host for a CUDA tensor), checked."""
+def _check_cu(name: str, cu: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The boundaries as int64 numpy (one copy to the host for a CUDA tensor), checked; and the
+    lengths between them."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dim() != 1:
@@ -345,12 +340,13 @@ def _check_cu(name: str, cu: Any) -> np.ndarray:
     values = (cu.numpy() if cu.get_device() < 0 else cu.cpu().numpy()).astype(np.int64)
     if len(values) < 2 or values[0] != 0:
         raise ValueError(f"{name} must start at 0 and hold >= 2 entries, got {values[:8].tolist()}")
-    if (values[1:] <= values[:-1]).any():
-        i = int(np.flatnonzero(values[1:] <= values[:-1])[0]) + 1
+    lengths = values[1:] - values[:-1]
+    if lengths.min() <= 0:
+        i = int(np.flatnonzero(lengths <= 0)[0]) + 1
         raise ValueError(
             f"{name} is not strictly increasing: {values[i]} follows {values[i - 1]} at index {i}"
         )
-    return values
+    return values, lengths
 
 
 def _document_arrays(

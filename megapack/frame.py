@@ -31,18 +31,10 @@ import torch
 import torch.distributed as dist
 
 from megapack.codec import Share
+from megapack.header import HEADER_BYTES, HEADER_STRUCT, Header, Status
 from megapack.inputs import Layout, Scalars
 from megapack.topology import Stage
-from megapack.wire import (
-    FIELDS,
-    HEADER_BYTES,
-    HEADER_STRUCT,
-    NUMPY_DTYPES,
-    Header,
-    Status,
-    decode,
-    full_outputs,
-)
+from megapack.wire import FIELDS, NUMPY_DTYPES, decode, full_outputs
 
 SLACK_BYTES = 4096
 """Room a prepared buffer keeps beyond the last frame (512 more boundaries, say)."""
@@ -94,9 +86,9 @@ def encode_frame(
     for a, n in zip(arrays, sizes, strict=True):
         if n:
             frame[offset : offset + n] = a.reshape(-1).view(np.uint8)
-        end = offset + n + (-n % 8)
-        frame[offset + n : end] = 0
-        offset = end
+        if pad := -n % 8:
+            frame[offset + n : offset + n + pad] = 0
+        offset += n + pad
     return header, frame
 
 

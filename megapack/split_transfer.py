@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 
 from megapack import comm
+from megapack.header import HEADER_BYTES, HEADER_LEN, Header, Status
 from megapack.link_setup import link_for
 from megapack.local_link import LocalLink
 from megapack.side_groups import control_group, registered_control_group
 from megapack.topology import Topology
-from megapack.wire import HEADER_BYTES, HEADER_LEN, Header, Status
 
 
 def split_control(topo: Topology) -> dist.ProcessGroup | None:

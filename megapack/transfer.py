@@ -40,6 +40,7 @@ from megapack.cp import CP_LAYOUTS, CpLayout
 from megapack.cp_share import take_cp_share
 from megapack.errors import ProtocolError, RemoteDataError
 from megapack.frame import encode_frame, frame_outputs, prepare
+from megapack.header import HEADER_BYTES, Header, Status
 from megapack.inputs import Layout, Scalars, normalize
 from megapack.link_setup import link_for
 from megapack.local_link import LocalLink
@@ -49,10 +50,7 @@ from megapack.sync import check_in_sync, debug_sync_enabled
 from megapack.topology import Stage, Topology
 from megapack.wire import (
     FIELDS,
-    HEADER_BYTES,
     OUTPUT_KEYS,
-    Header,
-    Status,
     decode,
     encode_fields,
     full_outputs,

@@ -5,7 +5,7 @@ the receivers (`decode`) both derive everything from it, so adding a field is on
 ``get_batch_on_this_tp_rank`` spells out sender and receiver by hand for each stage case, which
 is how middle stages ended up with no ``cu_seqlens`` at all (Megatron-LM #4092, Megatron-Bridge #2952).
 
-A message is a fixed 24 x int64 `Header` (status, stage, layout, shapes, ``max_seqlen``,
+A message is a fixed 24 x int64 `Header` (`megapack.header`: status, stage, layout, shapes, ``max_seqlen``,
 ``local_cp_size``, a bitmask of the fields present, payload bytes, the lean-form flags) and a flat
 uint8 payload of `pieces`, each 8-byte aligned: the stage's per-token fields in their lean forms
 (`megapack.codec`: int32 tokens, labels as a shift plus exceptions, loss mask as bits, positions
@@ -18,9 +18,7 @@ context parallelism `megapack.cp_share` cuts them to a CP rank's share before `e
 
 from __future__ import annotations
 
-import enum
 import math
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +30,10 @@ import torch.distributed as dist
 from megapack.batch import CU_DTYPE, MASK_DTYPE, TOKEN_DTYPE, make_packed_seq_params
 from megapack.codec import Share, as_dtype, compact, expand, grid_pieces
 from megapack.cp import CP_LAYOUTS
-from megapack.errors import ProtocolError
+from megapack.header import (
+    Header,
+    Status,
+)
 from megapack.inputs import Layout, Scalars, normalize
 from megapack.topology import Stage
 
@@ -81,101 +82,6 @@ def travels(field: Field, stage: Stage) -> bool:
 SCALAR_KEYS = ("max_seqlen", "local_cp_size")
 """Python ints every stage gets from the header (None when the batch has none)."""
 OUTPUT_KEYS = (*(f.name for f in FIELDS), *SCALAR_KEYS, "packed_seq_params")
-
-MAGIC = 0x4D50_0004  # "MP" + protocol version 4 (lean grid fields: `megapack.codec`)
-HEADER_LEN = 24
-HEADER_BYTES = HEADER_LEN * 8
-HEADER_STRUCT = struct.Struct(f"={HEADER_LEN}q")  # native, as the int64 tensor it travels in
-STAGE_CODES = {stage: i for i, stage in enumerate(Stage)}
-
-
-class Status(enum.IntEnum):
-    OK = 0
-    STOP = 1
-    ERROR = 2
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Header:
-    """The fixed-size message that precedes every payload. Slots 20-23 are reserved (zero)."""
-
-    status: Status
-    stage: Stage
-    layout: Layout = Layout.PACKED
-    rows: int = 0
-    cols: int = 0
-    n_cu: int = 0
-    n_cu_padded: int = 0
-    max_seqlen: int = -1
-    field_mask: int = 0
-    nbytes: int = 0
-    mask_shape: tuple[int, int, int, int] = (0, 0, 0, 0)
-    samples: int = 0
-    local_cp_size: int = -1
-    codec: int = 0
-    """`megapack.codec.Lean` flags: which lean forms the grid fields travel in."""
-    exceptions: int = 0
-    """Positions where the labels are not the shifted tokens (with ``Lean.LABELS_SHIFTED``)."""
-    cp_layout: int = 0
-    """Index in `megapack.cp.CP_LAYOUTS` of the source's CP layout (receivers rebuild positions)."""
-
-    def to_bytes(self) -> bytes:
-        """The header's HEADER_BYTES bytes (24 native int64, as `to_tensor` holds them)."""
-        return HEADER_STRUCT.pack(*self.values())
-
-    def values(self) -> tuple[int, ...]:
-        """The header's HEADER_LEN int64 slots, in wire order."""
-        return (
-            MAGIC, self.status, STAGE_CODES[self.stage], self.layout, self.rows, self.cols,
-            self.n_cu, self.n_cu_padded, self.max_seqlen, self.field_mask, self.nbytes,
-            *self.mask_shape, self.samples, self.local_cp_size, self.codec, self.exceptions,
-            self.cp_layout, 0, 0, 0, 0,
-        )  # fmt: skip
-
-    def to_tensor(self, device: torch.device) -> torch.Tensor:
-        host = torch.frombuffer(bytearray(self.to_bytes()), dtype=torch.int64)
-        return host if device.type == "cpu" else host.to(device)
-
-    @classmethod
-    def from_tensor(cls, tensor: torch.Tensor) -> Header:
-        if tensor.is_cpu:  # no device-to-host copy: read the bytes
-            return cls.from_bytes(tensor.contiguous().view(torch.uint8).numpy().data)
-        return cls._from_values(tensor.tolist())  # the one device-to-host sync of a receiver
-
-    @classmethod
-    def from_bytes(cls, raw: Any) -> Header:
-        """The header in the first HEADER_BYTES of ``raw`` (a bytes-like object)."""
-        if (size := memoryview(raw).nbytes) < HEADER_BYTES:
-            raise ProtocolError(
-                f"megapack header has {size} bytes, not {HEADER_BYTES}: TP ranks are out of step "
-                "(every TP rank must call get_batch_on_this_tp_rank once per micro-step)"
-            )
-        return cls._from_values(HEADER_STRUCT.unpack_from(raw))
-
-    @classmethod
-    def _from_values(cls, v: Any) -> Header:
-        if v[0] != MAGIC:
-            raise ProtocolError(
-                f"megapack header magic {v[0]:#x} != {MAGIC:#x}: TP ranks are out of step (every TP rank "
-                "must call get_batch_on_this_tp_rank once per micro-step) or run different megapack versions"
-            )
-        stage = list(Stage)[v[2]]
-        return cls(
-            status=Status(v[1]), stage=stage, layout=Layout(v[3]), rows=v[4], cols=v[5], n_cu=v[6],
-            n_cu_padded=v[7], max_seqlen=v[8], field_mask=v[9], nbytes=v[10],
-            mask_shape=(v[11], v[12], v[13], v[14]), samples=v[15], local_cp_size=v[16],
-            codec=v[17], exceptions=v[18], cp_layout=v[19],
-        )  # fmt: skip
-
-    def shape_of(self, field: Field) -> tuple[int, ...]:
-        kind = field.shape
-        if kind == "grid":
-            return (self.rows, self.cols)
-        if kind == "cu":
-            return (self.n_cu,)
-        if kind == "cu_padded":
-            return (self.n_cu_padded,)
-        return self.mask_shape if kind == "mask" else (self.samples,)
 
 
 def encode(item: Any, stage: Stage, device: torch.device) -> tuple[Header, torch.Tensor]:

@@ -16,11 +16,11 @@ import pytest
 import torch.distributed as dist
 
 from megapack import get_batch_on_this_tp_rank, lockstep
+from megapack.header import HEADER_BYTES
 from megapack.link_setup import local_links
 from megapack.side_groups import control_group
 from megapack.testing.grids import Grid, grid_topology
 from megapack.testing.split_path import force_split_path
-from megapack.wire import HEADER_BYTES
 from tests.functional.test_tp_pp_grid import FailingIterator, _summary, check_rank, stream
 
 pytestmark = pytest.mark.distributed

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from megapack.batch import PackedBatch
 from megapack.codec import Lean, Share
 from megapack.cp_share import take_cp_share
+from megapack.header import Header
 from megapack.topology import Stage
-from megapack.wire import Header, decode, encode_fields, join, normalize
+from megapack.wire import decode, encode_fields, join, normalize
 
 CPU = torch.device("cpu")
 

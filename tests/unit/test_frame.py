@@ -15,8 +15,9 @@ from megapack.batch import PackedBatch
 from megapack.codec import Share
 from megapack.cp_share import take_cp_share
 from megapack.frame import Prepared, encode_frame, frame_outputs, prepare
+from megapack.header import Header, Status
 from megapack.topology import Stage
-from megapack.wire import Header, Status, decode, encode_fields, join, normalize
+from megapack.wire import decode, encode_fields, join, normalize
 from tests.unit.test_codec import _same, batches
 
 CPU = torch.device("cpu")

@@ -6,16 +6,8 @@ import pytest
 import torch
 
 from megapack import FIELDS, PackedBatch, Stage
-from megapack.wire import (
-    OUTPUT_KEYS,
-    Header,
-    Layout,
-    Status,
-    decode,
-    encode,
-    encode_fields,
-    normalize,
-)
+from megapack.header import Header, Status
+from megapack.wire import OUTPUT_KEYS, Layout, decode, encode, encode_fields, normalize
 
 CPU = torch.device("cpu")
 EXPECTED_FIELDS = {
