@@ -13,7 +13,9 @@ would have sent in full: int64 tokens, labels and position_ids, float32 loss_mas
     label_at       int32          [exceptions]      returned, a shift: where it is wrong ...
     label_value    int64          [exceptions]      ... and the labels there
     loss_mask      float32        [rows, cols]      returned and not all 0.0 / 1.0
-    loss_bits      uint8          [ceil(n / 8)]     returned, all 0.0 / 1.0
+    loss_bits      uint8          [ceil(n / 8)]     returned, all 0.0 / 1.0, not the standard mask
+    (nothing)                                       returned, the standard mask: every real
+                                                    token but each document's last (packed)
 
 The standard positions restart at every buffer segment (``cu_seqlens_padded``, else
 ``cu_seqlens``), or count 0..s-1 in every row of a plain [b, s] batch, and with context
@@ -42,6 +44,7 @@ class Lean:
     POSITIONS_DERIVED = 2
     LABELS_SHIFTED = 4
     MASK_BITS = 8
+    MASK_DERIVED = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +80,9 @@ def grid_pieces(
         ]
     elif "labels" in present:
         pieces.append(("labels", torch.int64, grid))
-    if "loss_mask" in present and flags & Lean.MASK_BITS:
+    if "loss_mask" in present and flags & Lean.MASK_DERIVED:
+        pass  # rebuilt from the boundaries: no bytes
+    elif "loss_mask" in present and flags & Lean.MASK_BITS:
         pieces.append(("loss_bits", torch.uint8, (-(-rows * cols // 8),)))
     elif "loss_mask" in present:
         pieces.append(("loss_mask", torch.float32, grid))
@@ -126,7 +131,9 @@ def compact(
         else:
             pieces["position_ids"] = positions
     mask = tensors.get("loss_mask") if "loss_mask" in present else None
-    if mask is not None:
+    if mask is not None and enabled and _standard_mask(layout, tensors, mask, share):
+        flags |= Lean.MASK_DERIVED
+    elif mask is not None:
         bits = lean.pack_bits(as_dtype(mask, torch.float32)) if enabled else None
         flags |= Lean.MASK_BITS if bits is not None else 0
         pieces["loss_mask" if bits is None else "loss_bits"] = mask if bits is None else bits
@@ -163,13 +170,45 @@ def expand(
             if flags & Lean.LABELS_SHIFTED and tokens is not None
             else views["labels"]
         )
-    if "loss_mask" in present:
+    if "loss_mask" in present and flags & Lean.MASK_DERIVED:
+        out["loss_mask"] = _mask_reference(bounds, cols, share, device)
+    elif "loss_mask" in present:
         out["loss_mask"] = (
             lean.unpack_bits(views["loss_bits"], rows, cols)
             if flags & Lean.MASK_BITS
             else views["loss_mask"]
         )
     return out
+
+
+def _standard_mask(
+    layout: Layout, fields: Mapping[str, torch.Tensor | None], mask: torch.Tensor, share: Share
+) -> bool:
+    """Whether a packed ``mask`` is, bit for bit, the standard mask receivers rebuild
+    (`_mask_reference`): -0.0 is not 0.0 here, so the rebuilt mask is always identical."""
+    if layout != Layout.PACKED or fields.get("cu_seqlens") is None or mask.dtype != torch.float32:
+        return False
+    reference = _mask_reference(fields, mask.shape[1], share, mask.device)
+    return reference.shape == mask.shape and torch.equal(
+        mask.view(torch.int32), reference.view(torch.int32)
+    )
+
+
+def _mask_reference(
+    fields: Mapping[str, torch.Tensor | None], cols: int, share: Share, device: torch.device
+) -> torch.Tensor:
+    """The standard mask (`megapack.lean.standard_mask`) of this rank's [1, cols] share of the row."""
+    cu = fields.get("cu_seqlens")
+    if cu is None:
+        raise ValueError("a packed batch without cu_seqlens has no standard loss mask")
+    padded = fields.get("cu_seqlens_padded")
+    full = cols * share.cp_size
+    mask = lean.standard_mask(cu.to(device), None if padded is None else padded.to(device), full)
+    if share.cp_size == 1:
+        return mask
+    bounds = padded if padded is not None else cu
+    index = cp_indices(bounds, share.cp_size, share.cp_rank, layout=share.layout, total=full)
+    return mask.index_select(1, index.to(device))
 
 
 def _standard(

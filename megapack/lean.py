@@ -12,7 +12,9 @@ position_ids      nothing: rebuilt from the segment bounds     they are not the 
 labels            "tokens shifted by one" + the positions      more than 1/16 of the positions
                   where that is wrong, with their values       differ (not a shift at all)
                   (`shift_exceptions`): O(documents)
-loss_mask         one bit per position (`pack_bits`)           a value other than 0.0 or 1.0
+loss_mask         nothing: rebuilt from the boundaries         it is not "every real token but
+                  (`standard_mask`)                            each document's last"
+                  else one bit per position (`pack_bits`)      a value other than 0.0 or 1.0
 ================  ===========================================  ================================
 
 Worked example, documents [3, 2, 4] as in `megapack.batch` (P = pad id, Q = the first token of
@@ -119,6 +121,37 @@ def restarts_at(positions: torch.Tensor, bounds: torch.Tensor) -> bool | None:
     steps = p[1:] - p[:-1]
     steps[starts[starts > 0] - 1] = 1  # the drop into each later segment's 0 (checked above)
     return bool((steps == 1).all())
+
+
+def standard_mask(
+    cu_seqlens: torch.Tensor, padded: torch.Tensor | None, total: int
+) -> torch.Tensor:
+    """[1, total] float32: 1.0 at every real token of each document but its last, 0.0 elsewhere.
+
+    Document i's real tokens start at ``padded[i]`` (``cu_seqlens[i]`` without padding) and
+    number ``cu_seqlens[i + 1] - cu_seqlens[i]``; padding, and each document's last token (its
+    label is the next document's or a pad id), are 0.0. Pretraining-style packing trains on
+    exactly these tokens; SFT masks (prompts at 0.0) are not this and travel as bits.
+
+    Example: cu_seqlens [0, 3, 5], padded [0, 4, 8], total 8 -> [[1, 1, 0, 0, 1, 0, 0, 0]].
+    Boundaries that run past ``total`` (not this row's) give a mask no batch equals, not an error.
+    """
+    starts_of = padded if padded is not None else cu_seqlens
+    if _host(cu_seqlens, starts_of):
+        cu = cu_seqlens.numpy().astype(np.int64)
+        starts = starts_of.numpy()[:-1].astype(np.int64)
+        ends = starts + (cu[1:] - cu[:-1]) - 1
+        steps = np.zeros(total + 1, dtype=np.int32)  # boundaries past ``total`` land in the spare
+        steps[np.minimum(starts, total)] += 1
+        steps[np.minimum(ends, total)] -= 1  # a one-token document: +1 - 1 at its start
+        return torch.from_numpy(np.cumsum(steps[:total]).astype(np.float32)).view(1, total)
+    cu_t = cu_seqlens.to(torch.int64)
+    starts_t = starts_of[:-1].to(torch.int64)
+    ones = torch.ones_like(starts_t, dtype=torch.int32)
+    steps_t = torch.zeros(total + 1, dtype=torch.int32, device=cu_seqlens.device)
+    steps_t.index_add_(0, starts_t.clamp(max=total), ones)
+    steps_t.index_add_(0, (starts_t + (cu_t[1:] - cu_t[:-1]) - 1).clamp(max=total), -ones)
+    return steps_t[:total].cumsum(0).to(torch.float32).view(1, total)
 
 
 def shift_exceptions(

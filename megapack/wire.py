@@ -8,7 +8,7 @@ is how middle stages ended up with no ``cu_seqlens`` at all (Megatron-LM #4092, 
 A message is a fixed 24 x int64 `Header` (`megapack.header`: status, stage, layout, shapes, ``max_seqlen``,
 ``local_cp_size``, a bitmask of the fields present, payload bytes, the lean-form flags) and a flat
 uint8 payload of `pieces`, each 8-byte aligned: the stage's per-token fields in their lean forms
-(`megapack.codec`: int32 tokens, labels as a shift plus exceptions, loss mask as bits, positions
+(`megapack.codec`: int32 tokens, labels as a shift plus exceptions, loss mask rebuilt or as bits, positions
 rebuilt from the boundaries) and the other fields as they are. `decode` gives every TP rank, the
 source included, identical values, shapes, dtypes and None-ness. Metadata is O(documents).
 

@@ -8,6 +8,7 @@ gives bit-identical outputs (values, dtype, shape, None-ness) and never more byt
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -27,16 +28,17 @@ CPU = torch.device("cpu")
 
 @st.composite
 def batches(draw: st.DrawFn) -> tuple[Any, str]:
-    """A PackedBatch or a plain [b, s] dict, every span divisible by 4 (cp=2 zigzag); and what it breaks."""
+    """A PackedBatch or a plain [b, s] dict, every span divisible by 4 (cp=2 zigzag); and what it
+    breaks ("nothing", a field, or "standard": nothing, and the mask is the standard one)."""
     gen = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     breaks = draw(st.sampled_from(["nothing", "labels", "positions", "mask", "ids"]))
+    standard = False
     if draw(st.booleans()):  # packed
         lengths = draw(st.lists(st.integers(1, 30), min_size=1, max_size=6))
+        standard = draw(st.booleans())  # the default mask: every token but each document's last
         docs = [
-            {
-                "tokens": gen.integers(0, 50_000, n),
-                "loss_mask": (gen.random(n) < 0.7).astype(np.float32),
-            }
+            {"tokens": gen.integers(0, 50_000, n)}
+            | ({} if standard else {"loss_mask": (gen.random(n) < 0.7).astype(np.float32)})
             for n in lengths
         ]
         pad = draw(st.sampled_from([4, 8]))
@@ -75,6 +77,8 @@ def batches(draw: st.DrawFn) -> tuple[Any, str]:
         fields["loss_mask"].view(-1)[0] = 0.5
     elif breaks == "ids":
         fields["tokens"].view(-1)[-1] = 2**40
+    elif isinstance(item, PackedBatch) and standard:
+        breaks = "standard"
     return item, breaks
 
 
@@ -123,8 +127,15 @@ def test_lean_decodes_bit_identical_to_full(case: tuple[Any, str], cp: int, cp_l
                 assert bool(flags & Lean.TOKENS_INT32) == (breaks != "ids"), where
                 assert bool(flags & Lean.POSITIONS_DERIVED) == (breaks != "positions"), where
             if stage in (Stage.ONLY, Stage.LAST):
-                assert bool(flags & Lean.MASK_BITS) == (breaks != "mask"), where
-                if breaks == "nothing" and stage == Stage.ONLY and full_h.rows * full_h.cols >= 16:
+                # (a random mask may happen to be the standard one, e.g. a 1-token document's [0])
+                derived, bits = bool(flags & Lean.MASK_DERIVED), bool(flags & Lean.MASK_BITS)
+                assert derived or breaks != "standard", where
+                assert not (bits and derived) and (bits or derived) == (breaks != "mask"), where
+                if (
+                    breaks in ("nothing", "standard")
+                    and stage == Stage.ONLY
+                    and full_h.rows * full_h.cols >= 16
+                ):
                     assert flags & Lean.LABELS_SHIFTED, where
 
 
@@ -140,8 +151,20 @@ def test_only_stage_of_a_4k_row_is_about_17_kb() -> None:
     lean_h, _ = encode_fields(layout, tensors, scalars, Stage.ONLY, CPU)
     full_h, _ = encode_fields(layout, tensors, scalars, Stage.ONLY, CPU, lean=False)
     assert full_h.nbytes == 4096 * (8 + 8 + 8 + 4) + 8 * ((len(batch.cu_seqlens) * 4 + 7) // 8)
-    assert (
-        lean_h.nbytes < 17_500
+    assert (  # every document learned but its last token: the loss mask needs no bytes
+        lean_h.nbytes < 17_000
         and lean_h.codec
-        == Lean.TOKENS_INT32 | Lean.POSITIONS_DERIVED | Lean.LABELS_SHIFTED | Lean.MASK_BITS
+        == Lean.TOKENS_INT32 | Lean.POSITIONS_DERIVED | Lean.LABELS_SHIFTED | Lean.MASK_DERIVED
     ), lean_h
+
+
+def test_a_standard_mask_with_a_negative_zero_travels_as_it_is() -> None:
+    """-0.0 equals 0.0 but is not its bits: neither the derived mask nor bits may carry it."""
+    batch = PackedBatch.from_documents([[5, 6, 7, 8], [9, 10, 11, 12]])
+    mask = batch.loss_mask.clone()
+    mask[0, 3] = -0.0  # the first document's last token: 0.0 in the standard mask
+    layout, tensors, scalars = normalize(dataclasses.replace(batch, loss_mask=mask))
+    header, payload = encode_fields(layout, tensors, scalars, Stage.ONLY, CPU)
+    assert not header.codec & (Lean.MASK_DERIVED | Lean.MASK_BITS)
+    out = decode(header, join(payload, CPU))
+    assert torch.equal(out["loss_mask"].view(torch.int32), mask.view(torch.int32))

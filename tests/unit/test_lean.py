@@ -147,3 +147,32 @@ def test_restarts_at_worked_example() -> None:
     assert lean.restarts_at(torch.tensor([[0, 1, 2, 3, 4]]), bounds) is False  # no restart
     assert lean.restarts_at(torch.tensor([[0, 1, 2, 0, 2]]), bounds) is False  # a skip
     assert lean.restarts_at(torch.tensor([[0, 1, 2, 0, 1]], dtype=torch.int32), bounds) is None
+
+
+def test_standard_mask_worked_example(path: str) -> None:
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    padded = torch.tensor([0, 4, 8], dtype=torch.int32)
+    got = lean.standard_mask(cu, padded, 8)
+    assert got.dtype == torch.float32 and got.tolist() == [[1, 1, 0, 0, 1, 0, 0, 0]]
+    one_token_docs = lean.standard_mask(torch.tensor([0, 3, 4, 5], dtype=torch.int32), None, 5)
+    assert one_token_docs.tolist() == [[1, 1, 0, 0, 0]]
+    # a CP share's 8 positions checked against the whole row's boundaries: no error, just a mask
+    assert lean.standard_mask(torch.tensor([0, 8, 16], dtype=torch.int32), None, 8).shape == (1, 8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=10),
+    pad=st.sampled_from([1, 2, 8]),
+    device_path=st.booleans(),
+)
+def test_standard_mask_is_what_from_documents_learns(
+    lengths: list[int], pad: int, device_path: bool
+) -> None:
+    """Documents without a mask of their own learn every token but the last: the standard mask."""
+    b = PackedBatch.from_documents([[7] * n for n in lengths], pad_to_multiple_of=pad)
+    with pytest.MonkeyPatch.context() as mp:
+        if device_path:
+            mp.setattr(lean, "_host", lambda *tensors: False)
+        got = lean.standard_mask(b.cu_seqlens, b.cu_seqlens_padded, b.num_tokens)
+    assert torch.equal(got.view(torch.int32), b.loss_mask.view(torch.int32))

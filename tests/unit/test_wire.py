@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -60,10 +62,15 @@ def test_payload_is_only_what_the_stage_needs() -> None:
     # lean: int32 tokens (36 -> 40 aligned), positions rebuilt from cu_seqlens
     assert sizes[Stage.FIRST] == 40 + cu
     # ONLY: the labels as the shifted tokens plus the 3 document ends (int32 positions, int64
-    # values), the loss mask as 2 bytes of bits (aligned to 8)
-    assert sizes[Stage.ONLY] == 40 + 16 + 24 + 8 + cu
+    # values); the loss mask (every token but each document's last) rebuilt from cu_seqlens
+    assert sizes[Stage.ONLY] == 40 + 16 + 24 + cu
     # LAST would need the tokens as the label base: 40 + 16 + 24 > 72 bytes of labels, so not here
-    assert sizes[Stage.LAST] == 72 + 8 + cu
+    assert sizes[Stage.LAST] == 72 + cu
+    # an SFT mask (a prompt token not learned) is not the standard one: 2 bytes of bits (8 aligned)
+    sft = dataclasses.replace(
+        batch, loss_mask=batch.loss_mask.clone().index_fill_(1, torch.tensor([0]), 0.0)
+    )
+    assert encode(sft, Stage.ONLY, CPU)[0].nbytes == 40 + 16 + 24 + 8 + cu
     full = {
         stage: encode_fields(*normalize(batch), stage, CPU, lean=False)[0].nbytes for stage in Stage
     }
