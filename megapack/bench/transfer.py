@@ -171,7 +171,8 @@ def run_transfer(seq_lens: list[int], repeats: int, warmup: int) -> list[dict[st
         }
         samples: dict[str, list[float]] = {m: [] for m in METHODS}
         for rep in range(warmup + repeats):
-            for method in METHODS:
+            turn = rep % len(METHODS)  # rotate the order: no method always follows the same one
+            for method in METHODS[turn:] + METHODS[:turn]:
                 dist.barrier(group=topo.tp_group)
                 start = time.perf_counter()
                 calls[method]()
