@@ -9,6 +9,7 @@ gives bit-identical outputs (values, dtype, shape, None-ness) and never more byt
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from megapack.batch import PackedBatch
 from megapack.codec import Lean, Share
 from megapack.cp_share import take_cp_share
 from megapack.header import Header
+from megapack.inputs import Layout
 from megapack.topology import Stage
 from megapack.wire import decode, encode_fields, join, normalize
 
@@ -82,6 +84,18 @@ def batches(draw: st.DrawFn) -> tuple[Any, str]:
     return item, breaks
 
 
+def shares(
+    layout: Layout, tensors: dict[str, Any], cp: int, cp_layout: str
+) -> Iterator[tuple[int, Stage, dict[str, Any], Share]]:
+    """Every (CP rank, stage, that rank's share of the normalized fields for the stage, its Share)."""
+    for cp_rank in range(cp):
+        for stage in Stage:
+            share_t = take_cp_share(
+                layout, tensors, cp_size=cp, cp_rank=cp_rank, cp_layout=cp_layout, stage=stage
+            )  # type: ignore[arg-type]
+            yield cp_rank, stage, share_t, Share(cp, cp_rank, cp_layout)  # type: ignore[arg-type]
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
@@ -99,44 +113,39 @@ def _same(a: Any, b: Any) -> bool:
 def test_lean_decodes_bit_identical_to_full(case: tuple[Any, str], cp: int, cp_layout: str) -> None:
     item, breaks = case
     layout, tensors, scalars = normalize(item)
-    for cp_rank in range(cp):
-        for stage in Stage:
-            share_t = take_cp_share(
-                layout, tensors, cp_size=cp, cp_rank=cp_rank, cp_layout=cp_layout, stage=stage
-            )  # type: ignore[arg-type]
-            share = Share(cp, cp_rank, cp_layout)  # type: ignore[arg-type]
-            lean_h, lean_p = encode_fields(layout, share_t, scalars, stage, CPU, share=share)
-            full_h, full_p = encode_fields(
-                layout, share_t, scalars, stage, CPU, share=share, lean=False
-            )
-            wire_h = Header.from_tensor(lean_h.to_tensor(CPU))  # what a receiver reads
-            lean_out = decode(wire_h, join(lean_p, CPU), cp_size=cp, cp_rank=cp_rank)
-            full_out = decode(full_h, join(full_p, CPU), cp_size=cp, cp_rank=cp_rank)
-            where = f"stage {stage.value} cp {cp} rank {cp_rank} {cp_layout} breaks {breaks}"
-            for key in full_out:
-                if key == "packed_seq_params":
-                    continue
-                assert _same(lean_out[key], full_out[key]), f"{where}: {key}"
-            assert lean_h.nbytes <= full_h.nbytes, where
-            flags = lean_h.codec
-            if stage == Stage.MIDDLE:
-                assert lean_h.codec == 0, where
-            if cp > 1:
-                continue  # the broken value is in one CP rank's share only
-            if stage in (Stage.ONLY, Stage.FIRST):
-                assert bool(flags & Lean.TOKENS_INT32) == (breaks != "ids"), where
-                assert bool(flags & Lean.POSITIONS_DERIVED) == (breaks != "positions"), where
-            if stage in (Stage.ONLY, Stage.LAST):
-                # (a random mask may happen to be the standard one, e.g. a 1-token document's [0])
-                derived, bits = bool(flags & Lean.MASK_DERIVED), bool(flags & Lean.MASK_BITS)
-                assert derived or breaks != "standard", where
-                assert not (bits and derived) and (bits or derived) == (breaks != "mask"), where
-                if (
-                    breaks in ("nothing", "standard")
-                    and stage == Stage.ONLY
-                    and full_h.rows * full_h.cols >= 16
-                ):
-                    assert flags & Lean.LABELS_SHIFTED, where
+    for cp_rank, stage, share_t, share in shares(layout, tensors, cp, cp_layout):
+        lean_h, lean_p = encode_fields(layout, share_t, scalars, stage, CPU, share=share)
+        full_h, full_p = encode_fields(
+            layout, share_t, scalars, stage, CPU, share=share, lean=False
+        )
+        wire_h = Header.from_tensor(lean_h.to_tensor(CPU))  # what a receiver reads
+        lean_out = decode(wire_h, join(lean_p, CPU), cp_size=cp, cp_rank=cp_rank)
+        full_out = decode(full_h, join(full_p, CPU), cp_size=cp, cp_rank=cp_rank)
+        where = f"stage {stage.value} cp {cp} rank {cp_rank} {cp_layout} breaks {breaks}"
+        for key in full_out:
+            if key == "packed_seq_params":
+                continue
+            assert _same(lean_out[key], full_out[key]), f"{where}: {key}"
+        assert lean_h.nbytes <= full_h.nbytes, where
+        flags = lean_h.codec
+        if stage == Stage.MIDDLE:
+            assert lean_h.codec == 0, where
+        if cp > 1:
+            continue  # the broken value is in one CP rank's share only
+        if stage in (Stage.ONLY, Stage.FIRST):
+            assert bool(flags & Lean.TOKENS_INT32) == (breaks != "ids"), where
+            assert bool(flags & Lean.POSITIONS_DERIVED) == (breaks != "positions"), where
+        if stage in (Stage.ONLY, Stage.LAST):
+            # (a random mask may happen to be the standard one, e.g. a 1-token document's [0])
+            derived, bits = bool(flags & Lean.MASK_DERIVED), bool(flags & Lean.MASK_BITS)
+            assert derived or breaks != "standard", where
+            assert not (bits and derived) and (bits or derived) == (breaks != "mask"), where
+            if (
+                breaks in ("nothing", "standard")
+                and stage == Stage.ONLY
+                and full_h.rows * full_h.cols >= 16
+            ):
+                assert flags & Lean.LABELS_SHIFTED, where
 
 
 def test_only_stage_of_a_4k_row_is_about_17_kb() -> None:

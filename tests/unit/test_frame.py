@@ -13,12 +13,11 @@ from hypothesis import strategies as st
 
 from megapack.batch import PackedBatch
 from megapack.codec import Share
-from megapack.cp_share import take_cp_share
 from megapack.frame import Prepared, encode_frame, frame_outputs, prepare
 from megapack.header import Header, Status
 from megapack.topology import Stage
 from megapack.wire import decode, encode_fields, join, normalize
-from tests.unit.test_codec import _same, batches
+from tests.unit.test_codec import _same, batches, shares
 
 CPU = torch.device("cpu")
 
@@ -30,26 +29,21 @@ def test_frame_is_the_header_and_the_full_payload(
 ) -> None:
     item, _ = case
     layout, tensors, scalars = normalize(item)
-    for cp_rank in range(cp):
-        for stage in Stage:
-            share_t = take_cp_share(
-                layout, tensors, cp_size=cp, cp_rank=cp_rank, cp_layout=cp_layout, stage=stage
-            )  # type: ignore[arg-type]
-            share = Share(cp, cp_rank, cp_layout)  # type: ignore[arg-type]
-            header, frame = encode_frame(layout, share_t, scalars, stage, share)
-            full_h, full_p = encode_fields(
-                layout, share_t, scalars, stage, CPU, share=share, lean=False
-            )
-            where = f"stage {stage.value} cp {cp} rank {cp_rank} {cp_layout}"
-            assert header == full_h, where
-            assert frame.tobytes() == full_h.to_bytes() + join(full_p, CPU).numpy().tobytes(), where
-            got = frame_outputs(
-                Header.from_bytes(frame), frame, None, cp_group=None, cp_size=cp, cp_rank=cp_rank
-            )
-            want = decode(full_h, join(full_p, CPU), cp_size=cp, cp_rank=cp_rank)
-            for key in want:
-                if key != "packed_seq_params":
-                    assert _same(got[key], want[key]), f"{where}: {key}"
+    for cp_rank, stage, share_t, share in shares(layout, tensors, cp, cp_layout):
+        header, frame = encode_frame(layout, share_t, scalars, stage, share)
+        full_h, full_p = encode_fields(
+            layout, share_t, scalars, stage, CPU, share=share, lean=False
+        )
+        where = f"stage {stage.value} cp {cp} rank {cp_rank} {cp_layout}"
+        assert header == full_h, where
+        assert frame.tobytes() == full_h.to_bytes() + join(full_p, CPU).numpy().tobytes(), where
+        got = frame_outputs(
+            Header.from_bytes(frame), frame, None, cp_group=None, cp_size=cp, cp_rank=cp_rank
+        )
+        want = decode(full_h, join(full_p, CPU), cp_size=cp, cp_rank=cp_rank)
+        for key in want:
+            if key != "packed_seq_params":
+                assert _same(got[key], want[key]), f"{where}: {key}"
 
 
 def _batch(lengths: list[int], seq_len: int, seed: int = 0) -> PackedBatch:
