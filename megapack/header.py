@@ -12,16 +12,13 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from megapack.errors import ProtocolError
 from megapack.inputs import Layout
 from megapack.topology import Stage
-
-if TYPE_CHECKING:
-    from megapack.wire import Field
 
 MAGIC = 0x4D50_0004  # "MP" + protocol version 4 (lean grid fields: `megapack.codec`)
 HEADER_LEN = 24
@@ -114,8 +111,8 @@ class Header:
             codec=v[17], exceptions=v[18], cp_layout=v[19],
         )  # fmt: skip
 
-    def shape_of(self, field: Field) -> tuple[int, ...]:
-        kind = field.shape
+    def shape_of(self, kind: str) -> tuple[int, ...]:
+        """The shape of a field of shape kind ``kind`` (`megapack.wire.Field.shape`) in this message."""
         if kind == "grid":
             return (self.rows, self.cols)
         if kind == "cu":

@@ -182,7 +182,7 @@ def pieces(header: Header) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     present = frozenset(f.name for i, f in enumerate(FIELDS) if header.field_mask >> i & 1)
     out = grid_pieces(present, header.codec, header.exceptions, header.rows, header.cols)
     out += [
-        (f.name, f.dtype, header.shape_of(f))
+        (f.name, f.dtype, header.shape_of(f.shape))
         for f in FIELDS
         if f.shape != "grid" and f.name in present
     ]
@@ -256,7 +256,7 @@ def full_outputs(
     offset = 0
     for i, f in enumerate(FIELDS):
         if header.field_mask >> i & 1:
-            shape = header.shape_of(f)
+            shape = header.shape_of(f.shape)
             size = math.prod(shape) * f.dtype.itemsize
             if ready is not None and f.name in ready:
                 out[f.name] = ready[f.name]
