@@ -15,161 +15,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
 
-import numpy as np
-
-from megapack.cli_report import pack_report, plural
-
-T = TypeVar("T")
-READER_FLAGS = {"skip_bad": "--skip-bad", "eos_id": "--eos-id"}
-"""Reader option -> the flag that sets it, to name the flag when an option does not fit the input."""
-
-
-def progress(
-    items: Iterable[T], label: str, *, every_s: float = 0.5, stream: Any = None
-) -> Iterator[T]:
-    """Yield ``items`` while showing a running count and rate on stderr (one line, redrawn)."""
-    out = stream if stream is not None else sys.stderr
-    start = last = time.perf_counter()
-    count = 0
-    for item in items:
-        count += 1
-        now = time.perf_counter()
-        if now - last >= every_s:
-            out.write(f"\r{label}: {count:,} ({count / (now - start):,.0f}/s)")
-            out.flush()
-            last = now
-        yield item
-    out.write(f"\r{label}: {count:,} in {time.perf_counter() - start:.1f} s\n")
-    out.flush()
-
-
-def _tokenizer(path: str | None, eos_token: str | None = None) -> Any:
-    from megapack.data import ByteTokenizer, HFTokenizer
-
-    if path:
-        return HFTokenizer.from_file(path, eos_token=eos_token)
-    if eos_token:
-        raise ValueError(
-            f"--eos-token {eos_token!r} needs --tokenizer: the built-in byte tokenizer's eos is fixed"
-        )
-    return ByteTokenizer()
-
-
-def _open_reader(args: argparse.Namespace, tokenizer: Any, **options: Any) -> Any:
-    """`read_documents` for the input; an option the input's reader does not take names its flag."""
-    from megapack.data import read_documents
-
-    if getattr(args, "eos_id", None) is not None:
-        options["eos_id"] = args.eos_id
-    try:
-        return read_documents(args.input, tokenizer, **options)
-    except TypeError as e:
-        flag = next((f for name, f in READER_FLAGS.items() if f"option {name!r}" in str(e)), None)
-        if flag is None:
-            raise
-        raise ValueError(f"{flag} does not apply to {args.input} ({e})") from None
-
-
-def add_chat_arguments(p: argparse.ArgumentParser) -> None:
-    """``--tokenizer`` and the chat template flags."""
-    p.add_argument(
-        "--tokenizer",
-        help="a HF tokenizer directory (tokenizer.json + tokenizer_config.json; its chat_template "
-        "renders chat records) or a bare tokenizer.json (default: the built-in byte tokenizer)",
-    )
-    p.add_argument(
-        "--builtin-chat-template",
-        action="store_true",
-        help="render chats with megapack's built-in template even when the tokenizer has its own",
-    )
-    p.add_argument("--chat-template-name", help="which of several named chat templates to use")
-
-
-def chat_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``chat_template=`` for record readers: the tokenizer directory's own template, if any."""
-    if not args.tokenizer or args.builtin_chat_template or not Path(args.tokenizer).is_dir():
-        return {}
-    from megapack.data.hf_chat import HFChatTemplate
-
-    template = HFChatTemplate.from_pretrained(args.tokenizer, name=args.chat_template_name)
-    return {"chat_template": template} if template is not None else {}
-
-
-RECORD_SUFFIXES = (
-    ".jsonl",
-    ".json",
-    ".jsonl.gz",
-    ".json.gz",
-    ".parquet",
-    ".arrow",
-    ".feather",
-    ".ipc",
+from megapack.cli_input import (
+    SHAPE_FLAGS,
+    add_chat_arguments,
+    add_reader_arguments,
+    is_record_input,
+    open_reader,
+    reader_options,
+    tokenizer_from,
 )
-
-
-def add_reader_arguments(p: argparse.ArgumentParser) -> None:
-    """Column mapping, ``--shard`` and ``--workers`` for record inputs (JSONL, Parquet, Arrow)."""
-    for part in ("text", "prompt", "completion", "messages", "tools"):
-        p.add_argument(
-            f"--{part}-field",
-            default=part,
-            metavar="KEY",
-            help=f"key/column of the {part} (default {part})",
-        )
-    p.add_argument(
-        "--shard",
-        metavar="RANK/WORLD",
-        help="read only this share of the rows (e.g. 0/8), disjoint across ranks",
-    )
-    p.add_argument(
-        "--workers", type=int, default=1, help="processes converting rows (default 1: this one)"
-    )
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    """``"2/8"`` -> ``(2, 8)``; ValueError naming --shard otherwise."""
-    try:
-        rank, world = (int(v) for v in text.replace(",", "/").split("/"))
-    except ValueError:
-        raise ValueError(f"--shard {text!r}: expected RANK/WORLD, e.g. 0/8") from None
-    return rank, world
-
-
-def reader_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Options for `read_documents` from the flags; record-only ones only for record inputs."""
-    options: dict[str, Any] = {"skip_bad": True} if args.skip_bad else {}
-    if not _is_record_input(args.input):
-        return options
-    from megapack.data import Fields
-
-    parts = ("text", "prompt", "completion", "messages", "tools")
-    fields = Fields(**{part: getattr(args, f"{part}_field") for part in parts})
-    if fields != Fields():
-        options["fields"] = fields
-    if args.shard:
-        options["shard"] = parse_shard(args.shard)
-    if args.workers != 1:
-        options["workers"] = args.workers
-    return options | chat_options(args)
-
-
-def _read_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
-    """Document lengths of the input (streamed: no document is kept) and a bad-line note."""
-    options = reader_options(args)
-    reader = _open_reader(args, _tokenizer(args.tokenizer, args.eos_token), **options)
-    docs = progress(reader, f"reading {args.input}")
-    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64)
-    stats = getattr(reader, "stats", None)
-    note = (
-        f"{plural(stats.skipped, 'bad line')} skipped {dict(stats.skipped_by_problem)}"
-        if stats and stats.skipped
-        else ""
-    )
-    return lengths, note
+from megapack.cli_report import pack_report, plural
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
@@ -178,7 +36,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
     from megapack.data.pack_writer import PackWriter
     from megapack.progress import Progress
 
-    tokenizer = _tokenizer(args.tokenizer, args.eos_token)
+    tokenizer = tokenizer_from(args.tokenizer, args.eos_token)
     options = reader_options(args)
     same = {k: v for k, v in options.items() if k not in ("skip_bad", "workers")}  # may change
     config = {"input": str(Path(args.input).resolve()), "tokenizer": args.tokenizer, **same}
@@ -189,9 +47,9 @@ def cmd_pack(args: argparse.Namespace) -> int:
         long_docs=args.long_docs, seed=args.seed, pad_token_id=tokenizer.pad_id, config=config,
         resume=args.resume, checkpoint_every=args.checkpoint_every,
     )  # fmt: skip
-    record = "fields" in options or _is_record_input(args.input)
+    record = "fields" in options or is_record_input(args.input)
     skip = {"skip": writer.rows_done} if record and writer.rows_done else {}
-    reader = _open_reader(args, tokenizer, **options, **skip)
+    reader = open_reader(args, tokenizer, **options, **skip)
     if writer.rows_done:
         print(
             f"resuming after {writer.rows_done:,} input rows ({writer.documents:,} documents)",
@@ -218,14 +76,6 @@ def cmd_pack(args: argparse.Namespace) -> int:
         print(line)
     print(f"{args.algorithm} in {time.perf_counter() - start:.1f} s -> {args.out}")
     return 0
-
-
-def _is_record_input(path: str) -> bool:
-    return str(path).lower().endswith(RECORD_SUFFIXES) or Path(path).is_dir()
-
-
-SHAPE_FLAGS = ("hidden", "ffn", "layers", "heads", "vocab")
-"""The model-shape flags of ``stats`` (``--hidden`` ...), read by `megapack.cli_stats`."""
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 bound, what each long-document policy loses, and (with ``--dp``/``--micro-batches``/a cost) the
 token plan's and the compute plan's data-parallel imbalance.
 
-Split from `megapack.cli`, which builds the parser; the input flags live there too.
+Split from `megapack.cli`, which builds the parser; the input flags live in `megapack.cli_input`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from megapack.cli import SHAPE_FLAGS, _read_lengths
+from megapack.cli_input import SHAPE_FLAGS, read_lengths
 from megapack.cli_report import plural
 
 
@@ -22,7 +22,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from megapack.cp import cp_pad_multiple
     from megapack.packing import plan
 
-    lengths, note = _read_lengths(args)
+    lengths, note = read_lengths(args)
     multiple = cp_pad_multiple(args.cp_size, args.pad_to_multiple_of)
     if len(lengths) == 0:
         print(f"{args.input}: no documents", file=sys.stderr)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megapack.packing.balance import _refine, balance_order, pipeline_order
+from megapack.packing.dealing import _refine, balance_order, pipeline_order
 
 REFINE_ABOVE = 1.0005
 """Batches whose max rank cost / mean exceeds this after the layer deal get the swap refinement."""
