@@ -12,6 +12,11 @@ a second broadcast (2 collectives) and the capacity grows to it plus 1/8 slack (
 when payloads fall under a quarter of it). With a fixed sequence length only the first call, and
 a call with unusually many documents, take two. A clean stop is one collective; tp=1 none.
 
+TP ranks on one host skip the collective: the source hands the frame to its peers over a local
+link (`megapack.local_link`, Unix sockets and shared memory), the header followed by the fields
+in full (`megapack.frame`), and keeps its own outputs as views of the same frame; each peer
+prepares the buffer for the next frame while it waits. `MEGAPACK_LOCAL_LINK=0` turns links off.
+
 With context parallelism the source first cuts the normalized batch to its CP rank's share
 (`megapack.cp_share`), so the payload holds 1/cp of the token bytes; the encoding never sees more.
 
