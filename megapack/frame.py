@@ -51,8 +51,23 @@ def encode_frame(
 
     The frame is a fresh uint8 array of HEADER_BYTES + ``header.nbytes`` bytes; its payload
     decodes (`megapack.wire.decode`) to exactly what `megapack.wire.encode_fields` with
-    ``lean=False`` would give.
+    ``lean=False`` would give. `plan_frame` and `write_frame` do the same in two steps, so a
+    caller can choose where the frame goes (a local link's shared memory).
     """
+    header, arrays = plan_frame(layout, tensors, scalars, stage, share)
+    frame = np.empty(HEADER_BYTES + header.nbytes, dtype=np.uint8)
+    write_frame(header, arrays, frame)
+    return header, frame
+
+
+def plan_frame(
+    layout: Layout,
+    tensors: Mapping[str, torch.Tensor | None],
+    scalars: Scalars,
+    stage: Stage,
+    share: Share,
+) -> tuple[Header, list[np.ndarray]]:
+    """The frame's header and the arrays its payload holds, in order (`write_frame` lays them out)."""
     arrays: list[np.ndarray] = []
     field_mask = 0
     for i, f in enumerate(FIELDS):
@@ -60,8 +75,6 @@ def encode_frame(
             t = t if t.dtype == f.dtype else t.to(f.dtype)
             arrays.append((t if t.is_cpu else t.cpu()).numpy())
             field_mask |= 1 << i
-    sizes = [a.nbytes for a in arrays]
-    nbytes = sum(n + (-n % 8) for n in sizes)
     rows, cols = _grid_shape(tensors)
     mask = tensors.get("attention_mask")
     header = Header(
@@ -74,22 +87,26 @@ def encode_frame(
         n_cu_padded=_numel(tensors.get("cu_seqlens_padded")),
         max_seqlen=-1 if scalars.max_seqlen is None else scalars.max_seqlen,
         field_mask=field_mask,
-        nbytes=nbytes,
+        nbytes=sum(a.nbytes + (-a.nbytes % 8) for a in arrays),
         mask_shape=(0, 0, 0, 0) if mask is None else tuple(mask.shape),  # type: ignore[arg-type]
         samples=_numel(tensors.get("dataset_id")),
         local_cp_size=-1 if scalars.local_cp_size is None else scalars.local_cp_size,
         cp_layout=share.layout_code,
     )
-    frame = np.empty(HEADER_BYTES + nbytes, dtype=np.uint8)
+    return header, arrays
+
+
+def write_frame(header: Header, arrays: list[np.ndarray], frame: np.ndarray) -> None:
+    """Lay ``header`` and `plan_frame`'s ``arrays`` out in ``frame`` (HEADER_BYTES + nbytes, uint8)."""
     HEADER_STRUCT.pack_into(frame.data, 0, *header.values())
     offset = HEADER_BYTES
-    for a, n in zip(arrays, sizes, strict=True):
+    for a in arrays:
+        n = a.nbytes
         if n:
             frame[offset : offset + n] = a.reshape(-1).view(np.uint8)
         if pad := -n % 8:
             frame[offset + n : offset + n + pad] = 0
         offset += n + pad
-    return header, frame
 
 
 @dataclass(frozen=True, eq=False, slots=True)

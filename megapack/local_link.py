@@ -11,7 +11,8 @@ Per frame, each peer gets a prefix ``[magic, sequence, nbytes, where, segment by
 and the body: on the socket after the prefix when it is small, else in the link's shared memory
 (a memfd segment every end maps, its descriptor passed over the socket when it is new or grows):
 written once by the source for all peers, copied out once by each, with the socket messages
-ordering the writes and reads on every architecture. A peer answers with one byte once it holds
+ordering the writes and reads on every architecture. A source that lays a frame out itself
+builds it in place there (`open_frame`, then `send_frame`): no copy on the way to the peers. A peer answers with one byte once it holds
 its copy of the whole frame. The source sends frame ``i`` only when every peer has
 acknowledged frame ``i - 1``, so it runs at most one frame ahead: in a training loop the ack has
 long arrived (no wait), and a peer that stopped taking frames is found at the next call, within
@@ -78,6 +79,10 @@ class LocalLink:
     """The link's shared memory segment (a memfd every end maps), once a body needed it."""
     shared_bytes: int = 0
     """Its size."""
+    _acked: bool = field(default=False, repr=False)
+    """Source: every peer has acknowledged the last frame sent (`_take_acks`)."""
+    _staged: tuple[int, int | None] | None = field(default=None, repr=False)
+    """Source: (bytes, new segment's descriptor or None) of a frame `open_frame` handed out."""
 
     @property
     def is_source(self) -> bool:
@@ -89,25 +94,88 @@ class LocalLink:
         Bodies of `SHARED_MIN_BYTES` or more go through the link's shared memory (written once for
         all peers, each peer copies it out once); smaller ones follow the prefix on the socket.
         """
+        self._drop_staged()  # a frame opened in shared memory and not sent: this one replaces it
         seconds = comm.collective_timeout(timeout)
         buffers = [_buffer(p) for p in parts]
         nbytes = sum(len(b) for b in buffers)
         deadline = time.monotonic() + seconds
-        if self.sent:  # every peer has taken the previous frame (and so left the shared memory)
-            for peer, sock in self.peers.items():
-                try:
-                    recv_exact(sock, memoryview(bytearray(1)), deadline)
-                except (OSError, EOFError) as exc:
-                    self._fail(exc, what, seconds, peer, "sending to")
+        self._take_acks(deadline, what, seconds)
         mode, fd = _INLINE, None
         if nbytes >= SHARED_MIN_BYTES and _SHARED_OK:
             try:
-                fd = self._shared_write(buffers, nbytes)
+                fd = self._reserve(nbytes)
                 mode = _SHARED if fd is None else _NEW_SEGMENT
             except OSError:  # no shared memory to be had: this body goes on the socket
                 mode = _INLINE
+        if mode != _INLINE:
+            assert self.shared is not None
+            offset = 0
+            for b in buffers:
+                self.shared[offset : offset + len(b)] = np.frombuffer(b, dtype=np.uint8)
+                offset += len(b)
+        self._announce(
+            nbytes, mode, fd, buffers if mode == _INLINE else [], what, seconds, deadline
+        )
+
+    def open_frame(
+        self, nbytes: int, *, what: str, timeout: float | None
+    ) -> tuple[np.ndarray, bool]:
+        """Source: where to build the next frame of ``nbytes``: (uint8 array, in shared memory).
+
+        A frame of `SHARED_MIN_BYTES` or more is built in place in the link's shared memory,
+        handed out once every peer has taken the previous frame, so `send_frame` copies nothing;
+        a smaller one (or one without shared memory) in a fresh array. Either way send it with
+        `send_frame`. The shared memory takes the next frame: keep a copy of what must live on.
+        """
+        if nbytes < SHARED_MIN_BYTES or not _SHARED_OK:
+            return np.empty(nbytes, dtype=np.uint8), False
+        self._drop_staged()
+        seconds = comm.collective_timeout(timeout)
+        self._take_acks(time.monotonic() + seconds, what, seconds)
+        try:
+            fd = self._reserve(nbytes)
+        except OSError:  # no shared memory to be had: this frame goes on the socket
+            return np.empty(nbytes, dtype=np.uint8), False
+        assert self.shared is not None
+        self._staged = (nbytes, fd)
+        return self.shared[:nbytes], True
+
+    def send_frame(self, frame: np.ndarray, *, what: str, timeout: float | None) -> None:
+        """Source: send a frame built where `open_frame` said."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            self.send([frame], what=what, timeout=timeout)
+            return
+        nbytes, fd = staged
+        if len(frame) != nbytes:
+            raise ValueError(f"send_frame got {len(frame)} bytes; open_frame gave {nbytes}")
+        seconds = comm.collective_timeout(timeout)
+        mode = _SHARED if fd is None else _NEW_SEGMENT
+        self._announce(nbytes, mode, fd, [], what, seconds, time.monotonic() + seconds)
+
+    def _take_acks(self, deadline: float, what: str, seconds: float) -> None:
+        """Wait until every peer has taken the previous frame (and so left the shared memory)."""
+        if not self.sent or self._acked:
+            return
+        for peer, sock in self.peers.items():
+            try:
+                recv_exact(sock, memoryview(bytearray(1)), deadline)
+            except (OSError, EOFError) as exc:
+                self._fail(exc, what, seconds, peer, "sending to")
+        self._acked = True
+
+    def _announce(
+        self,
+        nbytes: int,
+        mode: int,
+        fd: int | None,
+        body: list[memoryview],
+        what: str,
+        seconds: float,
+        deadline: float,
+    ) -> None:
+        """Send a frame's prefix (with a new segment's descriptor) and its inline body to every peer."""
         prefix = _PREFIX.pack(_MAGIC, self.sent, nbytes, mode, self.shared_bytes)
-        body = buffers if mode == _INLINE else []
         for peer, sock in self.peers.items():
             try:
                 if fd is not None:  # the new segment's descriptor rides on the prefix
@@ -121,6 +189,15 @@ class LocalLink:
         if fd is not None:
             os.close(fd)  # the peers hold their own descriptors now; the mapping stays
         self.sent += 1
+        self._acked = False
+
+    def _drop_staged(self) -> None:
+        """Forget a frame opened in shared memory and never sent (its new segment, if any: the
+        peers never got its descriptor, so the next shared frame makes another)."""
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[1] is not None:
+            os.close(staged[1])
+            self.shared, self.shared_bytes = None, 0
 
     def receive(
         self, *, what: str, timeout: float | None, into: np.ndarray | None = None
@@ -163,11 +240,11 @@ class LocalLink:
         self.sent += 1
         return body
 
-    def _shared_write(self, buffers: list[memoryview], nbytes: int) -> int | None:
-        """Copy the body into the shared segment (a larger new one when it does not fit).
+    def _reserve(self, nbytes: int) -> int | None:
+        """Make the shared segment hold ``nbytes`` (a larger new one when it does not).
 
         Returns the new segment's descriptor to hand to the peers, or None when the current one
-        held it. Only called once every peer acknowledged the previous frame.
+        holds it. Only called once every peer acknowledged the previous frame.
         """
         fd = None
         if self.shared is None or nbytes > self.shared_bytes:
@@ -179,11 +256,6 @@ class LocalLink:
             except OSError:
                 os.close(fd)
                 raise
-        assert self.shared is not None
-        offset = 0
-        for b in buffers:
-            self.shared[offset : offset + len(b)] = np.frombuffer(b, dtype=np.uint8)
-            offset += len(b)
         return fd
 
     def _map(self, fd: int, size: int, *, close: bool = True) -> None:
@@ -198,6 +270,7 @@ class LocalLink:
     def close(self) -> None:
         """Close every socket (peers blocked on them see the end of the stream at once)."""
         self.closed = True
+        self._drop_staged()
         for sock in self.peers.values():
             sock.close()
 

@@ -44,7 +44,7 @@ from megapack.codec import Share
 from megapack.cp import CP_LAYOUTS, CpLayout
 from megapack.cp_share import take_cp_share
 from megapack.errors import ProtocolError, RemoteDataError
-from megapack.frame import encode_frame, frame_outputs, prepare
+from megapack.frame import frame_outputs, plan_frame, prepare, write_frame
 from megapack.header import HEADER_BYTES, Header, Status
 from megapack.inputs import Layout, Scalars, normalize
 from megapack.link_setup import link_for
@@ -189,7 +189,7 @@ def _send(
     error: Exception | None = None
     chunks: list[torch.Tensor] = []
     fields: dict[str, torch.Tensor | None] = {}
-    frame: np.ndarray | None = None  # on a link: header and payload, one buffer
+    arrays: list[np.ndarray] | None = None  # on a link: the frame's fields (`plan_frame`)
     control = split_control(topo)
     link = _link(topo, timeout) if control is None else None
     try:
@@ -198,7 +198,7 @@ def _send(
         else:
             layout, fields, scalars, share = _take_item(next(data_iterator), topo, options)
             if link is not None:
-                header, frame = encode_frame(layout, fields, scalars, topo.stage, share)
+                header, arrays = plan_frame(layout, fields, scalars, topo.stage, share)
             else:
                 header, chunks = encode_fields(
                     layout, fields, scalars, topo.stage, topo.device, share=share
@@ -214,11 +214,14 @@ def _send(
             [message.to(topo.device)],
             exc,
         )
+    frame: np.ndarray | None = None  # the source's copy of a link frame
     if control is not None:
         payload = send_split(header, chunks, topo, control, timeout)
+    elif link is not None and arrays is not None:
+        frame = _send_link_frame(link, header, arrays, topo, timeout)
+        payload = None
     elif link is not None:
-        parts = [frame] if frame is not None else [header.to_bytes(), *chunks]
-        link.send(parts, what=_what(topo, "frame"), timeout=timeout)
+        link.send([header.to_bytes(), *chunks], what=_what(topo, "frame"), timeout=timeout)
         payload = None
     else:
         payload = _send_frame(header, chunks, topo, state, timeout)
@@ -235,6 +238,18 @@ def _send(
     return decode(
         header, payload, cp_group=topo.cp_group, cp_size=topo.cp_size, cp_rank=topo.cp_rank
     )
+
+
+def _send_link_frame(
+    link: LocalLink, header: Header, arrays: list[np.ndarray], topo: Topology, timeout: float | None
+) -> np.ndarray:
+    """Build the frame where the link sends it from (its shared memory when large: no copy on
+    the way to the peers), send it, and return the source's own copy."""
+    what = _what(topo, "frame")
+    frame, shared = link.open_frame(HEADER_BYTES + header.nbytes, what=what, timeout=timeout)
+    write_frame(header, arrays, frame)
+    link.send_frame(frame, what=what, timeout=timeout)
+    return frame.copy() if shared else frame  # the shared memory takes the next frame
 
 
 def _take_item(

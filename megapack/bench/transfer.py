@@ -19,15 +19,18 @@
   reported as the time the step spends blocked in ``next()`` and the step time over the compute
   time (the sleep's measured length), medians of the slowest rank per step.
 
-The first five alternate within every repeat (so drift hits all alike); each sample is the slowest
-rank's time for one call (the call is done when every rank has its batch), and the median over
-repeats is reported. Runs inside a process group whose ranks form one TP group (single stage).
+The first five alternate within every repeat (so drift hits all alike), in an order shuffled
+anew every repeat (seeded, the same on every rank): a call runs faster right after one that ran
+the same code (caches), so a fixed order would favour whichever method follows its like. Each
+sample is the slowest rank's time for one call (the call is done when every rank has its batch),
+and the median over repeats is reported. Runs inside a process group whose ranks form one TP group (single stage).
 Bytes per stage are megapack's payload for each pipeline stage's fields (`megapack.wire.FIELDS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -171,8 +174,9 @@ def run_transfer(seq_lens: list[int], repeats: int, warmup: int) -> list[dict[st
         }
         samples: dict[str, list[float]] = {m: [] for m in METHODS}
         for rep in range(warmup + repeats):
-            turn = rep % len(METHODS)  # rotate the order: no method always follows the same one
-            for method in METHODS[turn:] + METHODS[:turn]:
+            order = list(METHODS)  # shuffled (seeded: the same on every rank), so no method
+            random.Random(rep).shuffle(order)  # always runs right after the same one
+            for method in order:
                 dist.barrier(group=topo.tp_group)
                 start = time.perf_counter()
                 calls[method]()

@@ -144,3 +144,72 @@ def test_links_enabled_reads_the_switch(
 ) -> None:
     monkeypatch.setenv(LINK_ENV, value)
     assert links_enabled() is on
+
+
+# (bytes, how the source sends it): built in place via open_frame / opened, dropped, then sent
+# by send() instead (as when a batch fails after its frame was opened) / plain send()
+OPENED = [
+    (70_000, "open"),  # the first shared segment
+    (10, "open"),  # small: a fresh array on the socket
+    (3_000_001, "drop"),  # opens a larger new segment the peers never hear of ...
+    (100, "send"),
+    (2_000_000, "open"),  # ... so this one must hand out a new segment again
+    (70_000, "open"),
+    (90_000, "drop"),  # opened in the current segment, replaced by a shared send()
+]
+
+
+def run_opened_frames() -> list[tuple[int, str]]:
+    group = dist.new_group(list(range(dist.get_world_size())))
+    link = link_for(group, 0)
+    assert link is not None
+    seen = []
+    for i, (n, how) in enumerate(OPENED):
+        body = _frame(i, n).numpy()
+        if dist.get_rank() == 0:
+            if how == "send":
+                link.send([body], what="test frame", timeout=20)
+            else:
+                frame, _shared = link.open_frame(n, what="test frame", timeout=20)
+                frame[:] = body if how == "open" else 0  # "drop": written, then abandoned
+                if how == "open":
+                    link.send_frame(frame, what="test frame", timeout=20)
+                else:
+                    link.send([body], what="test frame", timeout=20)
+            got = body
+        else:
+            got = link.receive(what="test frame", timeout=20)
+        seen.append((len(got), hashlib.sha256(got.tobytes()).hexdigest()))
+    dist.barrier()
+    return seen
+
+
+def test_frames_built_in_shared_memory_arrive_whole(dist_pool: Any) -> None:
+    results = dist_pool.run(run_opened_frames, 3, timeout=60)
+    want = [
+        (n, hashlib.sha256(_frame(i, n).numpy().tobytes()).hexdigest())
+        for i, (n, _) in enumerate(OPENED)
+    ]
+    assert all(seen == want for seen in results), results
+
+
+def run_outputs_outlive_the_next_frame() -> list[bool]:
+    """Frames of 64 KiB or more are built in the link's shared memory: the source's outputs must
+    be its own copy, intact after the next frame overwrote that memory (peers' likewise)."""
+    topo = grid_topology(dist.get_world_size(), 1)
+    gen = torch.Generator().manual_seed(3)
+    rows = [
+        PackedBatch.from_documents([torch.randint(1, 30_000, (n,), generator=gen) for n in lens])
+        for lens in ([3000, 1096], [100, 3996], [4096])  # 4,096 tokens: ~115 KB frames
+    ]
+    data = iter(rows) if topo.is_source else None
+    kept = [get_batch_on_this_tp_rank(data, topology=topo) for _ in rows]
+    dist.barrier()
+    return [
+        torch.equal(out["tokens"], row.tokens) and torch.equal(out["labels"], row.labels)
+        for out, row in zip(kept, rows, strict=True)
+    ]
+
+
+def test_outputs_outlive_the_next_frame(dist_pool: Any) -> None:
+    assert dist_pool.run(run_outputs_outlive_the_next_frame, 2, timeout=60) == [[True] * 3] * 2
