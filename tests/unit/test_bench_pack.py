@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import resource
 import sys
+import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -85,3 +87,18 @@ def test_markdown_memory_verdict() -> None:
     assert grows.endswith("GROWS WITH TOKENS\n")
     inherited = pack.markdown([row(5_000, 60.0, 1_000_000, "ru_maxrss")])
     assert "ru_maxrss (no /proc/self/status here)" in inherited
+
+
+def test_cpu_seconds_resolves_a_millisecond() -> None:
+    """A small corpus's bare loop takes a few ms of CPU: a 10 ms tick clock read 0 (and the CPU
+    ratio divided by it)."""
+    scope: dict[str, Any] = {}
+    exec(pack.PEAK, scope)
+    spans = []
+    for _ in range(5):
+        before = scope["cpu_seconds"]()
+        end = time.perf_counter() + 0.002
+        while time.perf_counter() < end:
+            pass
+        spans.append(scope["cpu_seconds"]() - before)
+    assert all(0 < s < 0.009 for s in spans), spans  # a tick clock gives 0.0 or 0.01
