@@ -247,7 +247,13 @@ def _send_link_frame(
     the way to the peers), send it, and return the source's own copy."""
     what = _what(topo, "frame")
     frame, shared = link.open_frame(HEADER_BYTES + header.nbytes, what=what, timeout=timeout)
-    write_frame(header, arrays, frame)
+    try:
+        write_frame(header, arrays, frame)
+    except Exception as exc:  # the peers wait for this frame: they get the error instead
+        message = f"{type(exc).__name__}: {exc}".encode()
+        failed = Header(status=Status.ERROR, stage=header.stage, nbytes=len(message))
+        link.send([failed.to_bytes(), message], what=what, timeout=timeout)
+        raise
     link.send_frame(frame, what=what, timeout=timeout)
     return frame.copy() if shared else frame  # the shared memory takes the next frame
 
