@@ -2,13 +2,14 @@
 
 A local link (`megapack.local_link`) moves bytes with a memcpy, so the per-token fields travel as
 they are: no lean forms to encode or rebuild (`megapack.codec`), header ``codec`` 0. The frame is
-built with one copy of each field into a fresh buffer,
+laid out (`plan_frame`, `write_frame`) with one copy of each field,
 
     [ header (HEADER_BYTES) | field | pad to 8 | field | pad to 8 | ... ]    fields in FIELDS order
 
-which the source sends whole and keeps: its own outputs are views of the same payload its peers
-decode (`megapack.wire.full_outputs`), so every rank's tensors come from the same bytes, none
-aliases the data iterator's batch, and the source copies the batch once, not once per field.
+into a fresh array, or a large frame straight into the link's shared memory
+(`LocalLink.open_frame`, of which the source then keeps a copy). The source's own outputs are
+views of its frame (`megapack.wire.full_outputs`), the bytes its peers decode: every rank's
+tensors come from the same bytes and none aliases the data iterator's batch.
 
 A peer spends the time it waits for the source on the next frame's buffer (`prepare`): a fresh
 array as large as the last frame plus slack, with the grid fields' tensors already viewing it
@@ -40,26 +41,6 @@ SLACK_BYTES = 4096
 """Room a prepared buffer keeps beyond the last frame (512 more boundaries, say)."""
 
 
-def encode_frame(
-    layout: Layout,
-    tensors: Mapping[str, torch.Tensor | None],
-    scalars: Scalars,
-    stage: Stage,
-    share: Share,
-) -> tuple[Header, np.ndarray]:
-    """(header, frame): ``stage``'s normalized fields (after any CP share) in full behind the header.
-
-    The frame is a fresh uint8 array of HEADER_BYTES + ``header.nbytes`` bytes; its payload
-    decodes (`megapack.wire.decode`) to exactly what `megapack.wire.encode_fields` with
-    ``lean=False`` would give. `plan_frame` and `write_frame` do the same in two steps, so a
-    caller can choose where the frame goes (a local link's shared memory).
-    """
-    header, arrays = plan_frame(layout, tensors, scalars, stage, share)
-    frame = np.empty(HEADER_BYTES + header.nbytes, dtype=np.uint8)
-    write_frame(header, arrays, frame)
-    return header, frame
-
-
 def plan_frame(
     layout: Layout,
     tensors: Mapping[str, torch.Tensor | None],
@@ -67,7 +48,10 @@ def plan_frame(
     stage: Stage,
     share: Share,
 ) -> tuple[Header, list[np.ndarray]]:
-    """The frame's header and the arrays its payload holds, in order (`write_frame` lays them out)."""
+    """The frame's header and the arrays its payload holds, in order (`write_frame` lays them out
+    in a buffer of HEADER_BYTES + ``header.nbytes`` bytes: a fresh array, or a local link's shared
+    memory). The payload decodes (`megapack.wire.decode`) to exactly what
+    `megapack.wire.encode_fields` with ``lean=False`` would give."""
     arrays: list[np.ndarray] = []
     field_mask = 0
     for i, f in enumerate(FIELDS):

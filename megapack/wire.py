@@ -112,7 +112,7 @@ def encode_fields(
     Grid fields travel in their lean forms (`megapack.codec`; ``lean=False``: in full, as protocol
     v3 did). The pieces are built on the host and joined into one buffer; for a CUDA ``device``
     it is pinned and copied with one asynchronous host-to-device copy. A local link's frame,
-    every field in full behind the header, is `encode_frame`'s.
+    every field in full behind the header, is `megapack.frame`'s.
     """
     share = share if share is not None else Share()
     grid = [t for f in FIELDS if f.shape == "grid" and (t := tensors.get(f.name)) is not None]

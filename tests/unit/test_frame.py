@@ -13,13 +13,21 @@ from hypothesis import strategies as st
 
 from megapack.batch import PackedBatch
 from megapack.codec import Share
-from megapack.frame import Prepared, encode_frame, frame_outputs, prepare
-from megapack.header import Header, Status
+from megapack.frame import Prepared, frame_outputs, plan_frame, prepare, write_frame
+from megapack.header import HEADER_BYTES, Header, Status
 from megapack.topology import Stage
 from megapack.wire import decode, encode_fields, join, normalize
 from tests.unit.test_codec import _same, batches, shares
 
 CPU = torch.device("cpu")
+
+
+def encode_frame(*normalized: Any) -> tuple[Header, np.ndarray]:
+    """(header, frame) in a fresh array, as the source builds a frame too small for shared memory."""
+    header, arrays = plan_frame(*normalized)
+    frame = np.empty(HEADER_BYTES + header.nbytes, dtype=np.uint8)
+    write_frame(header, arrays, frame)
+    return header, frame
 
 
 @settings(max_examples=40, deadline=None)
