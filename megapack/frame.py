@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megapack.codec import Share
 from megapack.header import HEADER_BYTES, HEADER_STRUCT, Header, Status
 from megapack.inputs import Layout, Scalars
+from megapack.local_link import LocalLink
 from megapack.topology import Stage
 from megapack.wire import FIELDS, NUMPY_DTYPES, decode, full_outputs
 
@@ -143,6 +144,29 @@ def frame_outputs(
 def _grid_key(header: Header) -> tuple[int, int, int]:
     grid_bits = sum(1 << i for i, f in enumerate(FIELDS) if f.shape == "grid")
     return header.field_mask & grid_bits, header.rows, header.cols
+
+
+def send_link_frame(
+    link: LocalLink,
+    header: Header,
+    arrays: list[np.ndarray],
+    *,
+    what: str,
+    timeout: float | None,
+) -> np.ndarray:
+    """Source: lay the frame out where ``link`` sends it from (its shared memory when large: no
+    copy on the way to the peers), send it, and return the source's own copy. A failure while
+    laying it out reaches the peers as the source's error (they are waiting for this frame)."""
+    frame, shared = link.open_frame(HEADER_BYTES + header.nbytes, what=what, timeout=timeout)
+    try:
+        write_frame(header, arrays, frame)
+    except Exception as exc:
+        message = f"{type(exc).__name__}: {exc}".encode()
+        failed = Header(status=Status.ERROR, stage=header.stage, nbytes=len(message))
+        link.send([failed.to_bytes(), message], what=what, timeout=timeout)
+        raise
+    link.send_frame(frame, what=what, timeout=timeout)
+    return frame.copy() if shared else frame  # the shared memory takes the next frame
 
 
 def _grid_shape(tensors: Mapping[str, torch.Tensor | None]) -> tuple[int, int]:

@@ -44,7 +44,7 @@ from megapack.codec import Share
 from megapack.cp import CP_LAYOUTS, CpLayout
 from megapack.cp_share import take_cp_share
 from megapack.errors import ProtocolError, RemoteDataError
-from megapack.frame import frame_outputs, plan_frame, prepare, write_frame
+from megapack.frame import frame_outputs, plan_frame, prepare, send_link_frame
 from megapack.header import HEADER_BYTES, Header, Status
 from megapack.inputs import Layout, Scalars, normalize
 from megapack.link_setup import link_for
@@ -218,7 +218,7 @@ def _send(
     if control is not None:
         payload = send_split(header, chunks, topo, control, timeout)
     elif link is not None and arrays is not None:
-        frame = _send_link_frame(link, header, arrays, topo, timeout)
+        frame = send_link_frame(link, header, arrays, what=_what(topo, "frame"), timeout=timeout)
         payload = None
     elif link is not None:
         link.send([header.to_bytes(), *chunks], what=_what(topo, "frame"), timeout=timeout)
@@ -238,24 +238,6 @@ def _send(
     return decode(
         header, payload, cp_group=topo.cp_group, cp_size=topo.cp_size, cp_rank=topo.cp_rank
     )
-
-
-def _send_link_frame(
-    link: LocalLink, header: Header, arrays: list[np.ndarray], topo: Topology, timeout: float | None
-) -> np.ndarray:
-    """Build the frame where the link sends it from (its shared memory when large: no copy on
-    the way to the peers), send it, and return the source's own copy."""
-    what = _what(topo, "frame")
-    frame, shared = link.open_frame(HEADER_BYTES + header.nbytes, what=what, timeout=timeout)
-    try:
-        write_frame(header, arrays, frame)
-    except Exception as exc:  # the peers wait for this frame: they get the error instead
-        message = f"{type(exc).__name__}: {exc}".encode()
-        failed = Header(status=Status.ERROR, stage=header.stage, nbytes=len(message))
-        link.send([failed.to_bytes(), message], what=what, timeout=timeout)
-        raise
-    link.send_frame(frame, what=what, timeout=timeout)
-    return frame.copy() if shared else frame  # the shared memory takes the next frame
 
 
 def _take_item(

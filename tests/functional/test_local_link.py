@@ -218,21 +218,21 @@ def test_outputs_outlive_the_next_frame(dist_pool: Any) -> None:
 def run_frame_fails_while_written() -> str:
     """The source opened a frame in shared memory and failed to fill it: its peers must get the
     error (RemoteDataError), not wait for a frame that never comes."""
-    from megapack import transfer
+    from megapack import frame
 
     topo = grid_topology(dist.get_world_size(), 1)
     rows = [PackedBatch.from_documents([list(range(1, 4097))]) for _ in range(2)]  # ~115 KB
     data = iter(rows) if topo.is_source else None
     get_batch_on_this_tp_rank(data, topology=topo, timeout=20)  # a good frame first
-    write = transfer.write_frame
+    write = frame.write_frame
     if topo.is_source:
-        transfer.write_frame = lambda *args: (_ for _ in ()).throw(MemoryError("no room"))
+        frame.write_frame = lambda *args: (_ for _ in ()).throw(MemoryError("no room"))
     try:
         get_batch_on_this_tp_rank(data, topology=topo, timeout=20)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     finally:
-        transfer.write_frame = write  # the pool's worker processes live on
+        frame.write_frame = write  # the pool's worker processes live on
     return "no error"
 
 
