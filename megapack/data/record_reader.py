@@ -229,7 +229,8 @@ class RecordReader(Iterator[Document]):
         and parsing the next rows, laying out the encoded batch, and the caller's writing it)
         overlaps with it; order is kept.
         """
-        with ThreadPoolExecutor(1) as pool:
+        pool = ThreadPoolExecutor(1)
+        try:
             pending: list[tuple[ParsedRows, Future[list[list[int]]]]] = []
             for batch in self._batches():
                 parsed = parse_rows(batch, self._options)
@@ -239,6 +240,11 @@ class RecordReader(Iterator[Document]):
                     yield build_batch(done, self.tokenizer, self._options, encoding.result())
             for done, encoding in pending:
                 yield build_batch(done, self.tokenizer, self._options, encoding.result())
+        finally:
+            # Never join the thread here: a reader dropped mid-file is finalized by the garbage
+            # collector wherever it runs, even inside threading's bookkeeping while another
+            # thread starts, and joining there deadlocks. The idle thread exits by itself.
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _documents(self) -> Generator[Document, None, None]:
         for batch in self._converted:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -241,3 +242,25 @@ def test_documents_pack_into_a_batch(tmp_path: Path) -> None:
     assert batch.labels.tolist() == [[98, EOS, 256, 105, EOS, 256]]
     assert batch.loss_mask.tolist() == [[1, 1, 0, 1, 1, 0]]  # predicting "a" is never learned
     assert batch.cu_seqlens.tolist() == [0, 3, 6]
+
+
+def test_a_reader_dropped_mid_file_never_joins_its_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The garbage collector finalizes a reader dropped after a bad line wherever it runs, even
+    inside threading's own bookkeeping while another thread starts: joining the encode thread
+    there deadlocked the test suite. Closing must not join it."""
+    joins: list[str] = []
+    join = threading.Thread.join
+
+    def recording_join(self: threading.Thread, timeout: float | None = None) -> None:
+        joins.append(self.name)
+        join(self, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", recording_join)
+    reader = read_jsonl(write(tmp_path / "bad.jsonl", {"text": "ok"}, "", '{"text": 5}'))
+    next(reader)
+    with pytest.raises(BadLineError):
+        next(reader)
+    reader.close()
+    assert joins == []
