@@ -36,10 +36,14 @@ from megapack.header import HEADER_BYTES, HEADER_STRUCT, Header, Status
 from megapack.inputs import Layout, Scalars
 from megapack.local_link import LocalLink
 from megapack.topology import Stage
-from megapack.wire import FIELDS, NUMPY_DTYPES, decode, full_outputs
+from megapack.wire import FIELDS, GRID_BITS, NUMPY_DTYPES, decode, full_outputs
 
 SLACK_BYTES = 4096
 """Room a prepared buffer keeps beyond the last frame (512 more boundaries, say)."""
+_STAGE_FIELDS = {
+    stage: tuple((1 << i, f.name, f.dtype) for i, f in enumerate(FIELDS) if stage in f.stages)
+    for stage in Stage
+}  # (bit, name, wire dtype) of each field a stage gets, in frame order
 
 
 def plan_frame(
@@ -55,11 +59,11 @@ def plan_frame(
     `megapack.wire.encode_fields` with ``lean=False`` would give."""
     arrays: list[np.ndarray] = []
     field_mask = 0
-    for i, f in enumerate(FIELDS):
-        if stage in f.stages and (t := tensors.get(f.name)) is not None:
-            t = t if t.dtype == f.dtype else t.to(f.dtype)
+    for bit, name, dtype in _STAGE_FIELDS[stage]:
+        if (t := tensors.get(name)) is not None:
+            t = t if t.dtype == dtype else t.to(dtype)
             arrays.append((t if t.is_cpu else t.cpu()).numpy())
-            field_mask |= 1 << i
+            field_mask |= bit
     rows, cols = _grid_shape(tensors)
     mask = tensors.get("attention_mask")
     header = Header(
@@ -100,6 +104,8 @@ class Prepared:
 
     buffer: np.ndarray
     grid: dict[str, torch.Tensor]
+    grid_bytes: int
+    """Payload bytes the viewed grid fields take (the payload's first)."""
     key: tuple[int, int, int]
     """(grid field bits, rows, cols) of the frame the views assume."""
 
@@ -117,7 +123,7 @@ def prepare(last: Header | None) -> Prepared | None:
             view: np.ndarray = buffer[offset : offset + size].view(NUMPY_DTYPES[f.dtype])
             grid[f.name] = torch.from_numpy(view.reshape(last.rows, last.cols))
             offset += size + (-size % 8)
-    return Prepared(buffer, grid, _grid_key(last))
+    return Prepared(buffer, grid, offset - HEADER_BYTES, _grid_key(last))
 
 
 def frame_outputs(
@@ -135,15 +141,14 @@ def frame_outputs(
     if header.codec != 0:  # lean forms: the general decoder
         payload_t = torch.from_numpy(payload)
         return decode(header, payload_t, cp_group=cp_group, cp_size=cp_size, cp_rank=cp_rank)
-    ready = None
     if prepared is not None and body.base is prepared.buffer and _grid_key(header) == prepared.key:
-        ready = prepared.grid
-    return full_outputs(header, payload, cp_group=cp_group, ready=ready)
+        return full_outputs(header, payload, cp_group=cp_group, ready=prepared.grid,
+                            ready_bytes=prepared.grid_bytes)  # fmt: skip
+    return full_outputs(header, payload, cp_group=cp_group)
 
 
 def _grid_key(header: Header) -> tuple[int, int, int]:
-    grid_bits = sum(1 << i for i, f in enumerate(FIELDS) if f.shape == "grid")
-    return header.field_mask & grid_bits, header.rows, header.cols
+    return header.field_mask & GRID_BITS, header.rows, header.cols
 
 
 def send_link_frame(

@@ -81,7 +81,7 @@ class LocalLink:
     """Its size."""
     _acked: bool = field(default=False, repr=False)
     """Source: every peer has acknowledged the last frame sent (`_take_acks`)."""
-    _staged: tuple[int, int | None] | None = field(default=None, repr=False)
+    _staged: tuple[int, int | None, float, float] | None = field(default=None, repr=False)
     """Source: (bytes, new segment's descriptor or None) of a frame `open_frame` handed out."""
 
     @property
@@ -129,15 +129,17 @@ class LocalLink:
         """
         if nbytes < SHARED_MIN_BYTES or not _SHARED_OK:
             return np.empty(nbytes, dtype=np.uint8), False
-        self._drop_staged()
+        if self._staged is not None:
+            self._drop_staged()
         seconds = comm.collective_timeout(timeout)
-        self._take_acks(time.monotonic() + seconds, what, seconds)
+        deadline = time.monotonic() + seconds
+        self._take_acks(deadline, what, seconds)
         try:
             fd = self._reserve(nbytes)
         except OSError:  # no shared memory to be had: this frame goes on the socket
             return np.empty(nbytes, dtype=np.uint8), False
         assert self.shared is not None
-        self._staged = (nbytes, fd)
+        self._staged = (nbytes, fd, seconds, deadline)  # send_frame's wait counts from here
         return self.shared[:nbytes], True
 
     def send_frame(self, frame: np.ndarray, *, what: str, timeout: float | None) -> None:
@@ -146,12 +148,11 @@ class LocalLink:
         if staged is None:
             self.send([frame], what=what, timeout=timeout)
             return
-        nbytes, fd = staged
+        nbytes, fd, seconds, deadline = staged
         if len(frame) != nbytes:
             raise ValueError(f"send_frame got {len(frame)} bytes; open_frame gave {nbytes}")
-        seconds = comm.collective_timeout(timeout)
         mode = _SHARED if fd is None else _NEW_SEGMENT
-        self._announce(nbytes, mode, fd, [], what, seconds, time.monotonic() + seconds)
+        self._announce(nbytes, mode, fd, [], what, seconds, deadline)
 
     def _take_acks(self, deadline: float, what: str, seconds: float) -> None:
         """Wait until every peer has taken the previous frame (and so left the shared memory)."""

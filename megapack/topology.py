@@ -74,6 +74,7 @@ class Topology:
     mtp: bool = False
     """This stage holds multi-token-prediction layers (Megatron's ``mtp_on_this_rank``), which embed
     tokens and position_ids and compute a loss: it gets the fields of both ends (`Stage.MTP`)."""
+    _stage: Stage = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.tp_ranks:
@@ -102,6 +103,7 @@ class Topology:
             raise TypeError(f"Topology.mtp must be a bool, got {type(self.mtp).__name__}")
         if self.cp_layout not in CP_LAYOUTS:
             raise ValueError(f"Topology.cp_layout={self.cp_layout!r} is not one of {CP_LAYOUTS}")
+        object.__setattr__(self, "_stage", self._role())
 
     @property
     def tp_size(self) -> int:
@@ -132,6 +134,9 @@ class Topology:
 
     @property
     def stage(self) -> Stage:
+        return self._stage  # every transfer call asks: worked out once, in __post_init__
+
+    def _role(self) -> Stage:
         if self.is_first_stage and self.is_last_stage:
             return Stage.ONLY
         if self.mtp:

@@ -175,6 +175,11 @@ def _assemble(parts: list[torch.Tensor]) -> torch.Tensor:
 NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32,
           torch.uint8: np.uint8, torch.bool: np.bool_}  # fmt: skip
 _ZEROS = torch.zeros(8, dtype=torch.uint8)  # alignment padding (read-only)
+GRID_BITS = sum(FIELD_BITS[f.name] for f in FIELDS if f.shape == "grid")
+"""`Header.field_mask` bits of the grid fields (which come first in a frame)."""
+_FULL_LAYOUT = tuple(
+    (FIELD_BITS[f.name], f.name, f.shape, f.dtype.itemsize, NUMPY_DTYPES[f.dtype]) for f in FIELDS
+)  # what `full_outputs` reads per field, looked up once
 
 
 def pieces(header: Header) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -247,23 +252,23 @@ def full_outputs(
     *,
     cp_group: dist.ProcessGroup | None = None,
     ready: Mapping[str, torch.Tensor] | None = None,
+    ready_bytes: int = 0,
 ) -> dict[str, Any]:
     """`decode`'s output for a ``codec`` 0 payload (every field in full, pieces in FIELDS order)
-    held in the uint8 array ``host``: views of it. ``ready`` holds fields already viewed at their
-    place in ``host`` (`megapack.frame.prepare`); the caller vouches for their offsets and shapes.
+    held in the uint8 array ``host``: views of it. ``ready`` holds the frame's grid fields already
+    viewed at their places, the first ``ready_bytes`` of ``host`` (`megapack.frame.prepare`); the
+    caller vouches for their offsets and shapes.
     """
     out: dict[str, Any] = dict.fromkeys(OUTPUT_KEYS)
-    offset = 0
-    for i, f in enumerate(FIELDS):
-        if header.field_mask >> i & 1:
-            shape = header.shape_of(f.shape)
-            size = math.prod(shape) * f.dtype.itemsize
-            if ready is not None and f.name in ready:
-                out[f.name] = ready[f.name]
-            else:
-                view: np.ndarray = host[offset : offset + size].view(NUMPY_DTYPES[f.dtype])
-                view = view.reshape(shape)
-                out[f.name] = torch.from_numpy(view)
+    present, offset = header.field_mask, 0
+    if ready is not None:
+        out.update(ready)
+        present, offset = present & ~GRID_BITS, ready_bytes
+    for bit, name, kind, itemsize, dtype in _FULL_LAYOUT:
+        if present & bit:
+            shape = (header.rows, header.cols) if kind == "grid" else header.shape_of(kind)
+            size = math.prod(shape) * itemsize
+            out[name] = torch.from_numpy(host[offset : offset + size].view(dtype).reshape(shape))
             offset += size + (-size % 8)
     return _with_scalars(out, header, cp_group)
 
