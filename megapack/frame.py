@@ -40,6 +40,7 @@ from megapack.wire import FIELDS, GRID_BITS, NUMPY_DTYPES, decode, full_outputs
 
 SLACK_BYTES = 4096
 """Room a prepared buffer keeps beyond the last frame (512 more boundaries, say)."""
+_ZERO_PAD = bytes(8)
 _STAGE_FIELDS = {
     stage: tuple((1 << i, f.name, f.dtype) for i, f in enumerate(FIELDS) if stage in f.stages)
     for stage in Stage
@@ -87,15 +88,17 @@ def plan_frame(
 
 def write_frame(header: Header, arrays: list[np.ndarray], frame: np.ndarray) -> None:
     """Lay ``header`` and `plan_frame`'s ``arrays`` out in ``frame`` (HEADER_BYTES + nbytes, uint8)."""
-    HEADER_STRUCT.pack_into(frame.data, 0, *header.values())
+    out = frame.data  # byte copies through memoryviews: one memcpy each, no numpy machinery
+    HEADER_STRUCT.pack_into(out, 0, *header.values())
     offset = HEADER_BYTES
     for a in arrays:
         n = a.nbytes
         if n:
-            frame[offset : offset + n] = a.reshape(-1).view(np.uint8)
+            out[offset : offset + n] = (a if a.flags.c_contiguous else a.copy()).data.cast("B")
+        offset += n
         if pad := -n % 8:
-            frame[offset + n : offset + n + pad] = 0
-        offset += n + pad
+            out[offset : offset + pad] = _ZERO_PAD[:pad]
+            offset += pad
 
 
 @dataclass(frozen=True, eq=False, slots=True)

@@ -116,9 +116,9 @@ class LocalLink:
                 mode = _INLINE
         if mode != _INLINE:
             assert self.shared is not None
-            offset = 0
+            offset, shared = 0, self.shared.data
             for b in buffers:
-                self.shared[offset : offset + len(b)] = np.frombuffer(b, dtype=np.uint8)
+                shared[offset : offset + len(b)] = b
                 offset += len(b)
         self._announce(
             nbytes, mode, fd, buffers if mode == _INLINE else [], what, seconds, deadline
@@ -240,7 +240,7 @@ class LocalLink:
                 recv_exact(sock, body.data, deadline)
             elif nbytes:
                 assert self.shared is not None  # mapped at this frame or an earlier one
-                np.copyto(body, self.shared[:nbytes])
+                body.data[:] = self.shared.data[:nbytes]  # one memcpy
             _send_all(sock, [memoryview(b"\1")], deadline)
         except (OSError, EOFError) as exc:
             self._fail(exc, what, seconds, self.src, "receiving from")

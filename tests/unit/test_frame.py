@@ -150,3 +150,21 @@ def test_outputs_are_fresh_memory_not_the_iterators_batch() -> None:
     for key in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens"):
         assert not np.shares_memory(out[key].numpy(), getattr(batch, key).numpy()), key
         assert np.shares_memory(out[key].numpy(), frame), key
+
+
+def test_write_frame_lays_out_strided_bool_and_empty_arrays_like_the_full_encoding() -> None:
+    """A batch's fields need not be contiguous (a strided view of a larger buffer, say): the frame
+    holds their values in order, each padded to 8 bytes, whatever the dtype or size."""
+    arrays = [
+        np.arange(16, dtype=np.int64).reshape(2, 8)[:, ::2],  # strided
+        np.array([[True, False, True]]),
+        np.zeros(0, dtype=np.int32),
+        np.arange(3, dtype=np.float32),
+    ]
+    nbytes = sum(a.nbytes + (-a.nbytes % 8) for a in arrays)
+    header = Header(status=Status.OK, stage=Stage.ONLY, nbytes=nbytes)
+    frame = np.full(HEADER_BYTES + nbytes, 0xAB, dtype=np.uint8)  # no byte left unwritten
+    write_frame(header, arrays, frame)
+    expected = b"".join(a.tobytes() + bytes(-a.nbytes % 8) for a in arrays)  # C order, padded
+    assert frame[HEADER_BYTES:].tobytes() == expected
+    assert Header.from_bytes(frame) == header
