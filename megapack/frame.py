@@ -36,7 +36,7 @@ from megapack.header import HEADER_BYTES, HEADER_STRUCT, Header, Status
 from megapack.inputs import Layout, Scalars
 from megapack.local_link import LocalLink
 from megapack.topology import Stage
-from megapack.wire import FIELDS, GRID_BITS, NUMPY_DTYPES, decode, full_outputs
+from megapack.wire import FIELDS, GRID_BITS, NUMPY_DTYPES, OUTPUT_KEYS, decode, full_outputs
 
 SLACK_BYTES = 4096
 """Room a prepared buffer keeps beyond the last frame (512 more boundaries, say)."""
@@ -107,6 +107,8 @@ class Prepared:
 
     buffer: np.ndarray
     grid: dict[str, torch.Tensor]
+    outputs: dict[str, Any]
+    """The call's outputs to be: every `megapack.wire.OUTPUT_KEYS` key, the grid fields filled."""
     grid_bytes: int
     """Payload bytes the viewed grid fields take (the payload's first)."""
     key: tuple[int, int, int]
@@ -126,7 +128,9 @@ def prepare(last: Header | None) -> Prepared | None:
             view: np.ndarray = buffer[offset : offset + size].view(NUMPY_DTYPES[f.dtype])
             grid[f.name] = torch.from_numpy(view.reshape(last.rows, last.cols))
             offset += size + (-size % 8)
-    return Prepared(buffer, grid, offset - HEADER_BYTES, _grid_key(last))
+    outputs: dict[str, Any] = dict.fromkeys(OUTPUT_KEYS)
+    outputs.update(grid)
+    return Prepared(buffer, grid, outputs, offset - HEADER_BYTES, _grid_key(last))
 
 
 def frame_outputs(
@@ -145,7 +149,7 @@ def frame_outputs(
         payload_t = torch.from_numpy(payload)
         return decode(header, payload_t, cp_group=cp_group, cp_size=cp_size, cp_rank=cp_rank)
     if prepared is not None and body.base is prepared.buffer and _grid_key(header) == prepared.key:
-        return full_outputs(header, payload, cp_group=cp_group, ready=prepared.grid,
+        return full_outputs(header, payload, cp_group=cp_group, ready=prepared.outputs,
                             ready_bytes=prepared.grid_bytes)  # fmt: skip
     return full_outputs(header, payload, cp_group=cp_group)
 

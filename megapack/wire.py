@@ -180,6 +180,7 @@ GRID_BITS = sum(FIELD_BITS[f.name] for f in FIELDS if f.shape == "grid")
 _FULL_LAYOUT = tuple(
     (FIELD_BITS[f.name], f.name, f.shape, f.dtype.itemsize, NUMPY_DTYPES[f.dtype]) for f in FIELDS
 )  # what `full_outputs` reads per field, looked up once
+_REST_LAYOUT = tuple(entry for entry in _FULL_LAYOUT if entry[2] != "grid")  # after the grid
 
 
 def pieces(header: Header) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -251,20 +252,21 @@ def full_outputs(
     host: np.ndarray,
     *,
     cp_group: dist.ProcessGroup | None = None,
-    ready: Mapping[str, torch.Tensor] | None = None,
+    ready: dict[str, Any] | None = None,
     ready_bytes: int = 0,
 ) -> dict[str, Any]:
     """`decode`'s output for a ``codec`` 0 payload (every field in full, pieces in FIELDS order)
-    held in the uint8 array ``host``: views of it. ``ready`` holds the frame's grid fields already
-    viewed at their places, the first ``ready_bytes`` of ``host`` (`megapack.frame.prepare`); the
-    caller vouches for their offsets and shapes.
+    held in the uint8 array ``host``: views of it. ``ready`` is an outputs dict to fill in and
+    return (every OUTPUT_KEYS key) that already holds the frame's grid fields, viewed at their
+    places in the first ``ready_bytes`` of ``host`` (`megapack.frame.prepare`); the caller vouches
+    for their offsets and shapes.
     """
-    out: dict[str, Any] = dict.fromkeys(OUTPUT_KEYS)
-    present, offset = header.field_mask, 0
-    if ready is not None:
-        out.update(ready)
-        present, offset = present & ~GRID_BITS, ready_bytes
-    for bit, name, kind, itemsize, dtype in _FULL_LAYOUT:
+    if ready is None:
+        out, layout, offset = dict.fromkeys(OUTPUT_KEYS), _FULL_LAYOUT, 0
+    else:
+        out, layout, offset = ready, _REST_LAYOUT, ready_bytes
+    present = header.field_mask
+    for bit, name, kind, itemsize, dtype in layout:
         if present & bit:
             shape = (header.rows, header.cols) if kind == "grid" else header.shape_of(kind)
             size = math.prod(shape) * itemsize
