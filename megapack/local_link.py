@@ -4,10 +4,8 @@ Tensor-parallel groups live inside one node, so the TP source and its peers shar
 broadcast between them still costs ~0.25 ms for any small message on CPU (tp=2; ~0.6 ms at tp=4),
 nearly all of it thread hand-offs inside gloo (work queue, transport loop, completion), not
 bytes. A local link sends the same frame from the caller's own thread with one ``sendmsg`` per
-peer into a connected Unix stream socket, and the peer, polling its socket, wakes once:
-~0.05 ms for a 17 KB frame at tp=2 on the 2-core CPU that measured the numbers above. The sockets
-are non-blocking: a send, or a read of what has usually arrived already (an ack), is one system
-call, with a poll only when it would block; the timeout is a deadline given to that poll.
+peer into a connected Unix stream socket, and the peer's blocking ``recv_into`` wakes once:
+~0.05 ms for a 17 KB frame at tp=2 on the 2-core CPU that measured the numbers above.
 
 Per frame, each peer gets a prefix ``[magic, sequence, nbytes, where, segment bytes]`` (5 x int64)
 and the body: on the socket after the prefix when it is small, else in the link's shared memory
@@ -42,7 +40,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import select
 import socket
 import struct
 import time
@@ -86,10 +83,6 @@ class LocalLink:
     """Source: every peer has acknowledged the last frame sent (`_take_acks`)."""
     _staged: tuple[int, int | None, float, float] | None = field(default=None, repr=False)
     """Source: (bytes, new segment's descriptor or None) of a frame `open_frame` handed out."""
-
-    def __post_init__(self) -> None:
-        for sock in self.peers.values():  # reads and writes try first and poll only when they must
-            sock.setblocking(False)
 
     @property
     def is_source(self) -> bool:
@@ -187,8 +180,9 @@ class LocalLink:
         for peer, sock in self.peers.items():
             try:
                 if fd is not None:  # the new segment's descriptor rides on the prefix
-                    sent = _send_fds(sock, prefix, fd, deadline)
-                    _send_all(sock, [memoryview(prefix)[sent:], *body], deadline)
+                    sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+                    socket.send_fds(sock, [prefix], [fd])
+                    _send_all(sock, body, deadline)
                 else:
                     _send_all(sock, [memoryview(prefix), *body], deadline)
             except (OSError, EOFError) as exc:
@@ -241,7 +235,7 @@ class LocalLink:
             elif nbytes:
                 assert self.shared is not None  # mapped at this frame or an earlier one
                 body.data[:] = self.shared.data[:nbytes]  # one memcpy
-            _send_all(sock, [memoryview(b"\1")], deadline)
+            sock.sendall(b"\1")
         except (OSError, EOFError) as exc:
             self._fail(exc, what, seconds, self.src, "receiving from")
         self.sent += 1
@@ -309,11 +303,8 @@ def _buffer(part: Any) -> memoryview:
 def _send_all(sock: socket.socket, buffers: list[memoryview], deadline: float) -> None:
     views = [v for v in buffers if len(v)]
     while views:
-        try:
-            sent = sock.sendmsg(views)
-        except BlockingIOError:  # the peer's buffer is full: wait for room
-            _wait(sock, select.POLLOUT, deadline)
-            continue
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        sent = sock.sendmsg(views)
         while sent and views:
             if sent >= len(views[0]):
                 sent -= len(views[0])
@@ -323,24 +314,10 @@ def _send_all(sock: socket.socket, buffers: list[memoryview], deadline: float) -
                 sent = 0
 
 
-def _send_fds(sock: socket.socket, prefix: bytes, fd: int, deadline: float) -> int:
-    """Send ``prefix`` with descriptor ``fd`` attached; the bytes of it sent (the rest: `_send_all`)."""
-    while True:
-        try:
-            return socket.send_fds(sock, [prefix], [fd])
-        except BlockingIOError:
-            _wait(sock, select.POLLOUT, deadline)
-
-
 def _recv_prefix(sock: socket.socket, deadline: float) -> tuple[bytes, int | None]:
     """A frame's prefix and the segment descriptor that may ride on it (SCM_RIGHTS)."""
-    while True:  # a peer usually waits for the frame: poll, then read
-        _wait(sock, select.POLLIN, deadline)
-        try:
-            data, fds, _flags, _addr = socket.recv_fds(sock, _PREFIX.size, 1)
-            break
-        except BlockingIOError:  # woken with nothing to read after all
-            continue
+    sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+    data, fds, _flags, _addr = socket.recv_fds(sock, _PREFIX.size, 1)
     if not data:
         raise EOFError("end of stream")
     if (
@@ -353,26 +330,11 @@ def _recv_prefix(sock: socket.socket, deadline: float) -> tuple[bytes, int | Non
 
 
 def recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
-    """Fill ``view`` from ``sock`` by ``deadline`` (time.monotonic); EOFError at the end of stream.
-
-    Reads first and waits only when nothing has arrived (an ack usually has: one system call).
-    """
+    """Fill ``view`` from ``sock`` by ``deadline`` (time.monotonic); EOFError at the end of stream."""
     got = 0
     while got < len(view):
-        try:
-            n = sock.recv_into(view[got:])
-        except BlockingIOError:
-            _wait(sock, select.POLLIN, deadline)
-            continue
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        n = sock.recv_into(view[got:])
         if n == 0:
             raise EOFError("end of stream")
         got += n
-
-
-def _wait(sock: socket.socket, events: int, deadline: float) -> None:
-    """Block until the non-blocking ``sock`` is ready for ``events``; TimeoutError past ``deadline``
-    (which still gets one last 1 ms look, as a socket timeout would)."""
-    poller = select.poll()
-    poller.register(sock, events)
-    if not poller.poll(max(deadline - time.monotonic(), 1e-3) * 1e3):
-        raise TimeoutError("timed out")
