@@ -82,7 +82,8 @@ class LocalLink:
     _acked: bool = field(default=False, repr=False)
     """Source: every peer has acknowledged the last frame sent (`_take_acks`)."""
     _staged: tuple[int, int | None, float, float] | None = field(default=None, repr=False)
-    """Source: (bytes, new segment's descriptor or None) of a frame `open_frame` handed out."""
+    """Source: (bytes, new segment's descriptor or None, timeout seconds, deadline) of a frame
+    `open_frame` handed out; `send_frame` waits by the same deadline."""
 
     @property
     def is_source(self) -> bool:

@@ -1,5 +1,5 @@
-"""A local link's socket I/O on its own (a socketpair, no process group): non-blocking sockets that
-poll only when an operation would block, and deadlines that end every wait."""
+"""A local link's socket I/O on its own (a socketpair, no process group): bodies larger than the
+socket buffer, and deadlines that end every wait."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def pair() -> Iterator[tuple[LocalLink, LocalLink]]:
 def test_an_inline_frame_larger_than_the_socket_buffer_arrives_whole(
     pair: tuple[LocalLink, LocalLink], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The sender fills the peer's buffer many times over (its sends would block: it polls) while
-    the peer reads; the peer's reads of the body outrun the sender (they poll too)."""
+    """The sender fills the peer's socket buffer many times over while the peer reads, and the
+    peer's reads of the body outrun the sender: both wait and resume."""
     monkeypatch.setattr(local_link, "_SHARED_OK", False)  # the whole body on the socket
     source, peer = pair
     body = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8)
