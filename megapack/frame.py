@@ -36,13 +36,21 @@ from megapack.header import HEADER_BYTES, HEADER_STRUCT, Header, Status
 from megapack.inputs import Layout, Scalars
 from megapack.local_link import LocalLink
 from megapack.topology import Stage
-from megapack.wire import FIELDS, GRID_BITS, NUMPY_DTYPES, OUTPUT_KEYS, decode, full_outputs
+from megapack.wire import (
+    FIELD_BITS,
+    FIELDS,
+    GRID_BITS,
+    NUMPY_DTYPES,
+    OUTPUT_KEYS,
+    decode,
+    full_outputs,
+)
 
 SLACK_BYTES = 4096
 """Room a prepared buffer keeps beyond the last frame (512 more boundaries, say)."""
 _ZERO_PAD = bytes(8)
 _STAGE_FIELDS = {
-    stage: tuple((1 << i, f.name, f.dtype) for i, f in enumerate(FIELDS) if stage in f.stages)
+    stage: tuple((FIELD_BITS[f.name], f.name, f.dtype) for f in FIELDS if stage in f.stages)
     for stage in Stage
 }  # (bit, name, wire dtype) of each field a stage gets, in frame order
 
@@ -106,9 +114,9 @@ class Prepared:
     """A peer's buffer for the next frame, and the grid fields' tensors viewing it."""
 
     buffer: np.ndarray
-    grid: dict[str, torch.Tensor]
     outputs: dict[str, Any]
-    """The call's outputs to be: every `megapack.wire.OUTPUT_KEYS` key, the grid fields filled."""
+    """The call's outputs to be: every `megapack.wire.OUTPUT_KEYS` key, the grid fields filled
+    with tensors viewing ``buffer``, the rest None."""
     grid_bytes: int
     """Payload bytes the viewed grid fields take (the payload's first)."""
     key: tuple[int, int, int]
@@ -120,17 +128,15 @@ def prepare(last: Header | None) -> Prepared | None:
     if last is None or last.status != Status.OK or last.codec != 0:
         return None
     buffer = np.empty(HEADER_BYTES + last.nbytes + SLACK_BYTES, dtype=np.uint8)
-    grid: dict[str, torch.Tensor] = {}
+    outputs: dict[str, Any] = dict.fromkeys(OUTPUT_KEYS)
     offset = HEADER_BYTES
     for i, f in enumerate(FIELDS):
         if f.shape == "grid" and last.field_mask >> i & 1:
             size = last.rows * last.cols * f.dtype.itemsize
             view: np.ndarray = buffer[offset : offset + size].view(NUMPY_DTYPES[f.dtype])
-            grid[f.name] = torch.from_numpy(view.reshape(last.rows, last.cols))
+            outputs[f.name] = torch.from_numpy(view.reshape(last.rows, last.cols))
             offset += size + (-size % 8)
-    outputs: dict[str, Any] = dict.fromkeys(OUTPUT_KEYS)
-    outputs.update(grid)
-    return Prepared(buffer, grid, outputs, offset - HEADER_BYTES, _grid_key(last))
+    return Prepared(buffer, outputs, offset - HEADER_BYTES, _grid_key(last))
 
 
 def frame_outputs(

@@ -12,8 +12,8 @@ and the body: on the socket after the prefix when it is small, else in the link'
 (a memfd segment every end maps, its descriptor passed over the socket when it is new or grows):
 written once by the source for all peers, copied out once by each, with the socket messages
 ordering the writes and reads on every architecture. A source that lays a frame out itself
-builds it in place there (`open_frame`, then `send_frame`): no copy on the way to the peers. A peer answers with one byte once it holds
-its copy of the whole frame. The source sends frame ``i`` only when every peer has
+builds it in place there (`open_frame`, then `send_frame`): no copy on the way to the peers.
+A peer answers with one byte once it holds its copy of the whole frame. The source sends frame ``i`` only when every peer has
 acknowledged frame ``i - 1``, so it runs at most one frame ahead: in a training loop the ack has
 long arrived (no wait), and a peer that stopped taking frames is found at the next call, within
 the timeout, as with a collective. Failures keep megapack's promises:

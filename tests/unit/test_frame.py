@@ -103,7 +103,8 @@ def test_prepared_views_only_where_the_frame_puts_them(nxt: list[int], reuses: b
     assert prepared is not None
     batch = _batch(nxt, sum(nxt), seed=1)
     out = _outputs(_frame(batch)[1], prepared)
-    assert (out["tokens"] is prepared.grid["tokens"]) == reuses
+    assert (out is prepared.outputs) == reuses
+    assert (out["tokens"] is prepared.outputs["tokens"]) == reuses
     for key, want in _expected(batch).items():
         if key != "packed_seq_params":
             assert _same(out[key], want), key
@@ -125,9 +126,12 @@ def test_the_last_stage_frame_prepares_its_own_fields() -> None:
     batch = _batch([30, 34], 64)
     header, _ = _frame(batch, Stage.LAST)
     prepared = prepare(header)
-    assert prepared is not None and set(prepared.grid) == {"labels", "loss_mask"}
+    assert prepared is not None and {k for k, v in prepared.outputs.items() if v is not None} == {
+        "labels",
+        "loss_mask",
+    }
     out = _outputs(_frame(_batch([60, 4], 64, seed=3), Stage.LAST)[1], prepared)
-    assert out["tokens"] is None and out["labels"] is prepared.grid["labels"]
+    assert out["tokens"] is None and out["labels"] is prepared.outputs["labels"]
 
 
 @pytest.mark.parametrize(
