@@ -6,13 +6,17 @@ import io
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megapack.data import Document, PackedDataset, read_jsonl
+from megapack.data.convert import DocumentBatch
 from megapack.data.pack_writer import PackWriter
 from megapack.progress import Progress
 
@@ -86,6 +90,108 @@ def interrupted(docs: Iterator[Document], after: int) -> Iterator[Document]:
         if i == after:
             raise KeyboardInterrupt  # the job is killed
         yield doc
+
+
+def batched(docs: Sequence[Document], size: int) -> Iterator[DocumentBatch]:
+    """``docs`` as DocumentBatches of ``size`` documents (the last one shorter), a reader's way."""
+    for first in range(0, len(docs), size):
+        part = docs[first : first + size]
+        lengths = [len(d) for d in part]
+        yield DocumentBatch(
+            tokens=np.concatenate([d.tokens for d in part]),
+            loss_mask=np.concatenate([d.loss_mask for d in part]),
+            offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            boundaries=tuple(d.boundaries for d in part),
+            sources=tuple(d.source for d in part),
+        )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 50), min_size=1, max_size=30),
+    every=st.integers(1, 5),
+    stops=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+    batch=st.sampled_from([0, 1, 3, 7]),
+    buffer_tokens=st.integers(1, 100),
+    seed=st.integers(0, 2**16),
+)
+def test_regression_pack_writer_default_checkpoint_resumes_without_repeating(
+    lengths: list[int], every: int, stops: list[int], batch: int, buffer_tokens: int, seed: int
+) -> None:
+    """Issue 27 (8). Without ``position`` (inputs with no row count: .npy, .bin/.idx), a checkpoint
+    records the documents read so far, counted from the start of the whole pack; a resumed run
+    skips exactly that many (``islice``). One too many or too few and a document is lost or
+    written twice. Killed any number of times, at any item, the pack equals one uninterrupted
+    `PackedDataset.save`."""
+    rng = np.random.default_rng(seed)
+    docs = [
+        Document(tokens=rng.integers(0, 1000, n), loss_mask=rng.integers(0, 2, n), source=f"d[{i}]")
+        for i, n in enumerate(lengths)
+    ]
+
+    def items(rest: Sequence[Document]) -> Iterator[Document | DocumentBatch]:
+        return iter(rest) if batch == 0 else batched(rest, batch)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ref, out = Path(tmp) / "ref", Path(tmp) / "out"
+        PackedDataset(docs, 32).save(ref)
+        done = 0  # documents behind the last checkpoint
+        for stop in stops:
+            writer = PackWriter(out, 32, resume=True, checkpoint_every=every,
+                                buffer_tokens=buffer_tokens)  # fmt: skip
+            assert writer.rows_done == done
+            sizes = [1] * (len(docs) - done) if batch == 0 else [
+                min(batch, len(docs) - first) for first in range(done, len(docs), batch)
+            ]  # fmt: skip
+            stop %= len(sizes)  # killed while reading item `stop` of this run
+            with pytest.raises(KeyboardInterrupt):
+                writer.write(interrupted(items(docs[done:]), stop))
+            start, read, since = done, 0, 0  # a checkpoint follows the item that makes
+            for size in sizes[:stop]:  # `every` documents since the last one
+                read, since = read + size, since + size
+                if since >= every:
+                    done, since = start + read, 0
+        writer = PackWriter(out, 32, resume=True, checkpoint_every=every)
+        assert writer.rows_done == done
+        writer.write(items(docs[done:]))
+        same_dirs(ref, out)
+
+
+def test_regression_pack_cli_resume_without_row_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 27 (8), through ``megapack pack --resume --checkpoint-every``: a ``.npy`` token
+    stream has no row count, so the CLI relies on the writer's own count of documents and skips
+    them with ``islice`` on resume."""
+    from megapack import progress
+    from megapack.cli import main
+
+    rng = np.random.default_rng(3)
+    stream = np.concatenate(
+        [np.append(rng.integers(0, 255, n), 255) for n in rng.integers(1, 60, 23)]
+    )
+    src = tmp_path / "tokens.npy"
+    np.save(src, stream)
+    args = ["pack", str(src), "--eos-id", "255", "--seq-len", "64", "--checkpoint-every", "4"]
+    assert main([*args, "--out", str(tmp_path / "ref")]) == 0
+    calls = 0
+    real_update = progress.Progress.update
+
+    def killed_at_the_eleventh(self: progress.Progress, documents: int, tokens: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 11:
+            raise KeyboardInterrupt  # after document 11 is read, before its checkpoint
+        real_update(self, documents, tokens)
+
+    monkeypatch.setattr(progress.Progress, "update", killed_at_the_eleventh)
+    with pytest.raises(KeyboardInterrupt):
+        main([*args, "--out", str(tmp_path / "out")])
+    monkeypatch.setattr(progress.Progress, "update", real_update)
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "out"), "--resume"]) == 0
+    assert "resuming after 8 input rows (8 documents)" in capsys.readouterr().err
+    same_dirs(tmp_path / "ref", tmp_path / "out")
 
 
 def test_pack_writer_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:

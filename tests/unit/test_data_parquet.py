@@ -241,3 +241,62 @@ def test_parquet_cli_pack_is_identical_across_formats(tmp_path: Path) -> None:
         )
         == 2
     )
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    files=st.lists(
+        st.tuples(
+            st.sampled_from(["parquet", "arrow", "stream"]), st.integers(1, 9), st.integers(1, 4)
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    world=st.integers(1, 4),
+    bad=st.integers(0, 10**6),
+)
+def test_regression_table_rows_are_numbered_within_each_file(
+    tmp_path_factory: pytest.TempPathFactory,
+    files: list[tuple[str, int, int]],
+    world: int,
+    bad: int,
+) -> None:
+    """Issue 27 (9). A document's source and a bad row's error name ``"file:row i"``, ``i`` the
+    0-based row of that file: it restarts at 0 in every file of a directory and runs on across
+    the file's row groups / record batches, whatever the shard."""
+    folder = tmp_path_factory.mktemp("rows")
+    paths: list[Path] = []
+    for j, (kind, n, group) in enumerate(files):
+        rows = [{"text": f"file {j} row {i}"} for i in range(n)]
+        if kind == "parquet":
+            paths.append(write_parquet(folder / f"{j}.parquet", rows, row_group_size=group))
+        else:
+            paths.append(
+                write_arrow(folder / f"{j}.arrow", rows, stream=kind == "stream", batch=group)
+            )
+    expected = {
+        f"{p}:row {i}": f"file {j} row {i}" for j, p in enumerate(paths) for i in range(files[j][1])
+    }
+    got: dict[str, str] = {}
+    for rank in range(world):
+        for doc in read_table(folder, shard=(rank, world)):
+            assert doc.source not in got
+            got[doc.source] = bytes(doc.tokens[:-1].tolist()).decode()
+    assert got == expected
+    # one bad row, anywhere: its error names its file and its row within that file
+    j = bad % len(paths)
+    i = bad // len(paths) % files[j][1]
+    rows = [{"text": "" if r == i else f"row {r}"} for r in range(files[j][1])]
+    kind, _, group = files[j]
+    if kind == "parquet":
+        write_parquet(paths[j], rows, row_group_size=group)
+    else:
+        write_arrow(paths[j], rows, stream=kind == "stream", batch=group)
+    with pytest.raises(BadLineError) as error:
+        list(read_table(folder))
+    assert error.value.where == f"{paths[j]}:row {i}"
+    reader = read_table(folder, skip_bad=True)
+    assert sum(1 for _ in reader) == len(expected) - 1
+    assert reader.stats.first_errors[0].startswith(f"{paths[j]}:row {i}: field 'text': empty")
