@@ -1,4 +1,4 @@
-"""Tests of megapack.attention_cp: PackedAttention with context parallelism on gloo CPU ranks.
+"""Tests of megapack.attention.cp: PackedAttention with context parallelism on gloo CPU ranks.
 
 Every CP run is compared with the cp=1 result on the whole row (`PackedAttention` without CP, itself
 checked against a dense reference in test_attention.py): each rank's outputs and its q/k/v gradients
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megapack.attention import PackedAttention
-from megapack.attention_cp import CpPlan, plan_for, row_positions
+from megapack.attention.cp import CpPlan, plan_for, row_positions
 from megapack.batch import make_packed_seq_params
 from megapack.cp import cp_indices
 

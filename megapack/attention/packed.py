@@ -28,66 +28,17 @@ per-document SDPA loop (T=2,048 in 16 documents: 0.87 s vs 0.016 s forward).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megapack.attention_cp import apply_rope, cp_attention, plan_for, sbhd_cp_attention
-from megapack.attention_kernels import KERNELS, Documents, sbhd_attention, zero_padding
+from megapack.attention.choice import BACKENDS, resolve_backend
+from megapack.attention.cp import cp_attention, plan_for, sbhd_cp_attention
+from megapack.attention.kernels import KERNELS, Documents, sbhd_attention, zero_padding
+from megapack.attention.rope import apply_rope
 from megapack.cp import CP_LAYOUTS, CpLayout
-
-BACKENDS = ("flash_attn", "te", "torch_varlen", "flex", "sdpa")
-_NO_DROPOUT = frozenset({"torch_varlen", "flex"})
-
-
-def backend_available(name: str, device: torch.device | str, *, training: bool = False) -> bool:
-    """Whether backend ``name`` can run on ``device`` (and backpropagate, when ``training``)."""
-    device = torch.device(device)
-    cuda = device.type == "cuda" and torch.cuda.is_available()
-    if name == "sdpa":
-        return True
-    if name == "flex":
-        return _has_module("torch.nn.attention.flex_attention") and (cuda or not training)
-    if name == "torch_varlen":
-        return cuda and _has_module("torch.nn.attention.varlen")
-    if name == "flash_attn":
-        return cuda and _has_module("flash_attn")
-    if name == "te":
-        return cuda and _has_module("transformer_engine")
-    raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS} or 'auto'")
-
-
-def resolve_backend(
-    backend: str, device: torch.device | str, *, training: bool, dropout: float = 0.0
-) -> str:
-    """The backend to run: ``backend`` itself if it can run here, else a clear error; 'auto' chooses."""
-    device = torch.device(device)
-    if backend == "auto":
-        if device.type == "cpu":
-            return "sdpa"
-        for name in BACKENDS:
-            if (dropout == 0.0 or name not in _NO_DROPOUT) and backend_available(
-                name, device, training=training
-            ):
-                return name
-    if not backend_available(backend, device, training=training):
-        why = (
-            "its backward pass is CUDA-only in torch"
-            if backend == "flex"
-            else "it is not installed or needs CUDA"
-        )
-        raise ValueError(
-            f"attention backend {backend!r} cannot run {'training ' if training else ''}on {device}: {why}; "
-            f"use backend='auto' or 'sdpa'"
-        )
-    if dropout > 0.0 and backend in _NO_DROPOUT:
-        raise ValueError(
-            f"attention backend {backend!r} has no attention dropout (attention_dropout={dropout})"
-        )
-    return backend
 
 
 class PackedAttention(torch.nn.Module):
@@ -105,7 +56,7 @@ class PackedAttention(torch.nn.Module):
 
     Context parallelism: the CP group is ``packed_seq_params.cp_group``, else ``pg_collection.cp``,
     else megatron-core's parallel state. With more than one CP rank, Transformer Engine runs its
-    own THD CP ("document" layout only); every other backend runs `megapack.attention_cp`. RoPE is
+    own THD CP ("document" layout only); every other backend runs `megapack.attention.cp`. RoPE is
     then applied here, from each token's position in its document, when `megapack.megatron`'s
     self-attention hands the table over in ``rope`` (megatron-core's own THD RoPE cannot place the
     "row" layout's tokens).
@@ -221,7 +172,7 @@ class PackedAttention(torch.nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Any, docs: Documents,
         group: Any, name: str, rope: Any, dropout: float,
     ) -> torch.Tensor:  # fmt: skip
-        """THD attention of this CP rank's share (see `megapack.attention_cp`)."""
+        """THD attention of this CP rank's share (see `megapack.attention.cp`)."""
         if name == "te" and self.cp_layout != "document":
             raise ValueError(
                 f"Transformer Engine's THD context parallelism needs cp_layout='document', got "
@@ -280,13 +231,6 @@ class PackedAttention(torch.nn.Module):
             max_seqlen_q=docs.max_seqlen, max_seqlen_kv=docs.max_seqlen,
         )  # fmt: skip
         return zero_padding(out.reshape(q.shape[0], q.shape[1], -1), docs)
-
-
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def _mpu_tp_size() -> int:

@@ -1,4 +1,4 @@
-"""megatron-core integration: a GPT layer spec that trains THD packed batches without Transformer Engine.
+"""A GPT layer spec that trains THD packed batches without Transformer Engine.
 
 `packed_gpt_layer_spec` is megatron-core's local GPT layer spec with ``core_attention`` replaced by
 `megapack.attention.PackedAttention`. With it, ``GPTModel`` trains the batches that

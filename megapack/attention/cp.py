@@ -180,20 +180,6 @@ def row_positions(
     return positions, doc
 
 
-def apply_rope(
-    t: torch.Tensor, table: torch.Tensor, offsets: torch.Tensor, config: Any
-) -> torch.Tensor:
-    """megatron-core's RoPE on ``t [Tl, heads, d]`` at positions ``offsets [Tl]`` of ``table [S, 1, 1, r]``.
-
-    Positions past the table (alignment padding beyond ``max_seqlen``) use its last row; their
-    outputs are zeroed by attention anyway.
-    """
-    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
-    freqs = table[offsets.clamp(max=table.shape[0] - 1)]  # [Tl, 1, 1, r]
-    return apply_rotary_pos_emb(t.unsqueeze(1), freqs, config).squeeze(1)
-
-
 class GatherRows(torch.autograd.Function):
     """All-gather [Tl, ...] shares over the CP group into the [T, ...] row; backward reduce-scatters."""
 
@@ -309,7 +295,7 @@ def flex_cross(
     """flex_attention with a segment-local bottom-right causal mask (compiled on CUDA)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from megapack.attention_kernels import compiled_flex
+    from megapack.attention.kernels import compiled_flex
 
     nq, nk = q.shape[0], k.shape[0]
     seg_q = _segment_of(plan.cu_q, nq)

@@ -1,0 +1,30 @@
+"""Packed (THD) attention for megatron-core: kernels, backend choice, RoPE, context parallelism; imports only torch, numpy, megapack.cp and megapack.quiet.
+
+Modules:
+
+    packed.py     `PackedAttention`, megatron-core's ``core_attention`` for THD batches
+    functional.py `packed_attention`: the same attention as a function of q, k, v and boundaries
+    choice.py     `BACKENDS`, which backend runs where (`choose_backend`, `resolve_backend`)
+    kernels.py    `Documents` and the single-row kernels (`KERNELS`)
+    cp.py         context-parallel attention: K/V all-gather, segment plan, cross kernels
+    rope.py       rotary position embedding from each token's position in its document
+
+Never imports the delivery modules (transfer, wire, ...) or megapack's process-group code;
+megatron-core only lazily, inside calls.
+"""
+
+from megapack.attention.choice import BACKENDS, backend_available, choose_backend, resolve_backend
+from megapack.attention.functional import packed_attention
+from megapack.attention.kernels import KERNELS, Documents
+from megapack.attention.packed import PackedAttention
+
+__all__ = [
+    "BACKENDS",
+    "KERNELS",
+    "Documents",
+    "PackedAttention",
+    "backend_available",
+    "choose_backend",
+    "packed_attention",
+    "resolve_backend",
+]
