@@ -5,8 +5,12 @@ Modules:
     packed.py     `PackedAttention`, megatron-core's ``core_attention`` for THD batches
     functional.py `packed_attention`: the same attention as a function of q, k, v and boundaries
     choice.py     `BACKENDS`, which backend runs where (`choose_backend`, `resolve_backend`)
-    kernels.py    `Documents` and the single-row kernels (`KERNELS`)
-    cp.py         context-parallel attention: K/V all-gather, segment plan, cross kernels
+    documents.py  `Documents`: a micro-batch's boundaries and what is derived from them, once
+    kernels.py    the single-row kernels (`KERNELS`)
+    varlen.py     torch's varlen_attn in each released form (found from its signature)
+    flex.py       flex_attention: one block mask per micro-batch, one compiled kernel
+    te.py         Transformer Engine's THD attention
+    cp.py         context-parallel attention: K/V all-gather, segment plan (cp_kernels.py: kernels)
     rope.py       rotary position embedding from each token's position in its document
 
 Never imports the delivery modules (transfer, wire, ...) or megapack's process-group code;
@@ -14,8 +18,9 @@ megatron-core only lazily, inside calls.
 """
 
 from megapack.attention.choice import BACKENDS, backend_available, choose_backend, resolve_backend
+from megapack.attention.documents import Documents
 from megapack.attention.functional import packed_attention
-from megapack.attention.kernels import KERNELS, Documents
+from megapack.attention.kernels import KERNELS
 from megapack.attention.packed import PackedAttention
 
 __all__ = [

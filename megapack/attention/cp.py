@@ -15,9 +15,11 @@ computes attention itself, in three steps:
    ``[s, p + n)``, causally aligned at the bottom right (the last query sees the last key). The
    plan costs a few host syncs on a GPU; `plan_for` builds it once per micro-batch (first layer).
 3. **Attend.** The selected queries, and the keys of every segment laid one after another, go to
-   a varlen kernel with ``cu_seqlens_q != cu_seqlens_k`` (flash-attn, torch varlen: causal is bottom-right
-   aligned there), to flex_attention with the equivalent mask, or to the per-segment SDPA reference.
-   Outputs at padding positions are zero, as without CP.
+   a varlen kernel with ``cu_seqlens_q != cu_seqlens_k`` (flash-attn, torch varlen: causal is
+   bottom-right aligned there) or to the per-segment SDPA reference (`megapack.attention.cp_kernels`).
+   flex instead attends all local queries to the whole gathered row, each to its document's keys up
+   to its own position (a block mask of key intervals, `megapack.attention.flex`, built once per
+   micro-batch), so its shapes depend on T alone. Outputs at padding positions are zero, as without CP.
 
 Worked example, one document of 8 tokens, cp = 2, "document" layout, rank 1 holds positions
 ``[2, 3, 4, 5]``: one segment, queries at 2..5 attend keys 0..5 (query 2 sees 0..2, query 5 sees
@@ -36,14 +38,15 @@ segments; h query heads, g key/value groups, d head dim (per tensor-parallel par
 from __future__ import annotations
 
 import contextlib
-import warnings
-from dataclasses import dataclass
-from typing import Any, cast
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megapack.attention.cp_kernels import CROSS_KERNELS
+from megapack.attention.flex import interval_block_mask, intervals, run_flex
 from megapack.cp import CpLayout, cp_indices
 
 
@@ -69,6 +72,12 @@ class CpPlan:
     """Longest key segment."""
     order: torch.Tensor
     """[cp, Tl] int64 row positions held by every CP rank (where gathered K/V rows go)."""
+    starts: torch.Tensor
+    """[Tl] int64 row position where the document of every local query starts."""
+    ends: torch.Tensor
+    """[Tl] int64 row position just past the real tokens of that document."""
+    memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """Values kernels derive from the plan once per micro-batch (host boundaries, flex mask)."""
 
     @classmethod
     def build(
@@ -101,6 +110,7 @@ class CpPlan:
         offsets = positions - cu[doc]
         lengths = (cu_real[1:] - cu_real[:-1]).to(torch.int64)
         q_index = torch.nonzero(offsets < lengths[doc]).flatten()
+        doc_start = cu[doc]
         q_pos, q_doc = positions[q_index], doc[q_index]
         new = torch.ones_like(q_pos, dtype=torch.bool)
         new[1:] = (q_doc[1:] != q_doc[:-1]) | (q_pos[1:] != q_pos[:-1] + 1)
@@ -120,6 +130,8 @@ class CpPlan:
         ])  # fmt: skip
         return cls(
             order=order,
+            starts=doc_start,
+            ends=doc_start + lengths[doc],
             positions=positions,
             offsets=offsets,
             q_index=q_index,
@@ -217,16 +229,32 @@ def cp_attention(
     """Attention of this rank's queries ``q [Tl, h, d]`` over the whole row: returns [Tl, h, dv].
 
     ``k``/``v`` are this rank's [Tl, g, d] shares, ``plan`` this rank's `CpPlan` (`plan_for`);
-    ``kernel`` one of ``CROSS_KERNELS``. Every rank of ``group`` must call it, forward and backward.
+    ``kernel`` one of ``CROSS_KERNELS`` or "flex". Every rank of ``group`` must call it, forward and
+    backward. flex attends all Tl local queries to the whole gathered row with a block mask of
+    per-query key intervals (static shapes: one compiled graph for every micro-batch of a row
+    length); the others attend the selected real queries to the selected keys.
     """
     local = q.shape[0]
-    kv = GatherRows.apply(torch.cat([k, v], dim=-1), plan.order, group)[plan.k_index]
+    row = GatherRows.apply(torch.cat([k, v], dim=-1), plan.order, group)
+    if kernel == "flex":
+        k_row, v_row = row.split([k.shape[-1], v.shape[-1]], dim=-1)
+        mask, real = cp_flex_mask(plan, q.device, kv_len=row.shape[0])
+        return run_flex(q, k_row, v_row, mask, scale) * real[:, None, None].to(q.dtype)
+    kv = row[plan.k_index]
     k_sel, v_sel = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
     if plan.max_q == 0:  # nothing real here; K/V stay in the graph for backward's reduce-scatter
         out = q.new_zeros(0, q.shape[1], v.shape[-1]) + 0.0 * (kv.sum() + q.sum())
     else:
         out = CROSS_KERNELS[kernel](q[plan.q_index], k_sel, v_sel, plan, scale, dropout)
     return q.new_zeros(local, q.shape[1], v.shape[-1]).index_copy(0, plan.q_index, out)
+
+
+def cp_flex_mask(plan: CpPlan, device: torch.device, *, kv_len: int) -> tuple[Any, torch.Tensor]:
+    """(block mask of local queries x row keys, [Tl] real) for flex, once per micro-batch."""
+    if "flex" not in plan.memo:
+        lo, hi, extra = intervals(plan.positions, plan.starts, plan.ends)
+        plan.memo["flex"] = (interval_block_mask(lo, hi, extra, kv_len), extra < 0)
+    return plan.memo["flex"]
 
 
 def sbhd_cp_attention(
@@ -266,95 +294,6 @@ def sbhd_cp_attention(
         attn_mask=allowed, scale=scale, dropout_p=dropout, enable_gqa=q.shape[2] != k.shape[2],
     )  # fmt: skip
     return out.permute(2, 0, 1, 3).reshape(local, q.shape[1], -1)
-
-
-def sdpa_cross(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CpPlan, scale: float, dropout: float
-) -> torch.Tensor:
-    """Reference: one SDPA call per segment with a bottom-right causal mask."""
-    cq, ck = plan.cu_q.tolist(), plan.cu_k.tolist()
-    pieces = [q.new_zeros(0, q.shape[1], v.shape[-1])]
-    for i in range(len(cq) - 1):
-        nq, nk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
-        allowed = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
-        seg_q, seg_k, seg_v = (
-            x[None, a:b].transpose(1, 2)
-            for x, a, b in ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1]))
-        )
-        o = F.scaled_dot_product_attention(
-            seg_q, seg_k, seg_v, attn_mask=allowed, scale=scale, dropout_p=dropout,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )  # fmt: skip
-        pieces.append(o[0].transpose(0, 1))
-    return torch.cat(pieces)
-
-
-def flex_cross(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CpPlan, scale: float, dropout: float
-) -> torch.Tensor:
-    """flex_attention with a segment-local bottom-right causal mask (compiled on CUDA)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    from megapack.attention.kernels import compiled_flex
-
-    nq, nk = q.shape[0], k.shape[0]
-    seg_q = _segment_of(plan.cu_q, nq)
-    seg_k = _segment_of(plan.cu_k, nk)
-    cu_q, cu_k = plan.cu_q.to(torch.int64), plan.cu_k.to(torch.int64)
-    shift = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])  # [S] keys minus queries
-
-    def segment_causal(b: Any, h: Any, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
-        s = seg_q[qi]
-        return (s == seg_k[ki]) & (ki - cu_k[s] <= qi - cu_q[s] + shift[s])
-
-    mask = create_block_mask(segment_causal, None, None, nq, nk, device=q.device)
-    run = compiled_flex() if q.is_cuda else flex_attention
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = run(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-        )  # fmt: skip
-    return out[0].transpose(0, 1)
-
-
-def varlen_cross(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CpPlan, scale: float, dropout: float
-) -> torch.Tensor:
-    """torch.nn.attention.varlen.varlen_attn, causal (its flash kernel aligns bottom-right)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    out = varlen_attn(
-        q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
-        scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1],
-    )  # fmt: skip
-    return cast(torch.Tensor, out)
-
-
-def flash_attn_cross(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CpPlan, scale: float, dropout: float
-) -> torch.Tensor:
-    """flash_attn_varlen_func, causal: bottom-right aligned when keys outnumber queries (flash-attn >= 2.1)."""
-    from flash_attn import flash_attn_varlen_func
-
-    out = flash_attn_varlen_func(
-        q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
-        dropout_p=dropout, softmax_scale=scale, causal=True,
-    )  # fmt: skip
-    return out
-
-
-CROSS_KERNELS = {
-    "sdpa": sdpa_cross,
-    "flex": flex_cross,
-    "torch_varlen": varlen_cross,
-    "flash_attn": flash_attn_cross,
-}
-"""megapack's CP kernels by backend name (Transformer Engine brings its own CP)."""
-
-
-def _segment_of(cu: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.searchsorted(cu[1:].to(torch.int64), torch.arange(n, device=cu.device), right=True)
 
 
 def _all_gather(out: torch.Tensor, local: torch.Tensor, group: Any) -> None:

@@ -1,7 +1,9 @@
 """`packed_attention`: causal attention within each document of a THD buffer, as a plain function.
 
 The same kernels as `megapack.attention.PackedAttention`, without megatron-core: for benchmarks,
-checks and code that holds q, k, v and the boundaries directly.
+checks and code that holds q, k, v and the boundaries directly. What is derived from the boundaries
+(the flex block mask, the SDPA reference's host copy) is cached on the boundary tensor itself, so
+repeated calls with the same ``cu_seqlens`` objects (one micro-batch, many layers) build it once.
 
 Shapes: q [T, h, d], k/v [T, g, d] (h query heads, g key/value groups, h divisible by g) -> [T, h, d].
 """
@@ -13,7 +15,9 @@ import math
 import torch
 
 from megapack.attention.choice import BACKENDS, resolve_backend
-from megapack.attention.kernels import KERNELS, Documents
+from megapack.attention.documents import Documents
+from megapack.attention.kernels import KERNELS
+from megapack.attention.te import te_attention
 
 
 def packed_attention(
@@ -56,15 +60,15 @@ def packed_attention(
         raise ValueError(
             f"unknown attention backend {backend!r}; choose one of {BACKENDS} or 'auto'"
         )
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"q must be [T, h, d] and k, v [T, g, d] with g dividing h, got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    name = resolve_backend(backend, q.device, training=needs_grad, dropout=dropout)
-    docs = Documents(
-        cu_seqlens,
-        cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded,
-        max_seqlen,
-        q.shape[0],
-    )
+    name = resolve_backend(backend, q.device, training=needs_grad, dropout=dropout, dtype=q.dtype)
+    docs = Documents.cached(cu_seqlens, cu_seqlens_padded, max_seqlen, q.shape[0])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if name == "te":
-        raise ValueError("packed_attention has no Transformer Engine path yet; use PackedAttention")
+        return te_attention(q, k, v, docs, scale=scale, dropout=dropout, training=dropout > 0.0)
     return KERNELS[name](q, k, v, docs, scale, dropout)

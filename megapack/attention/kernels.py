@@ -1,74 +1,32 @@
-"""The single-row kernels behind `megapack.attention.PackedAttention` (no context parallelism).
+"""The single-row kernels behind `PackedAttention` and `packed_attention` (no context parallelism).
 
-`Documents` turns ``packed_seq_params`` into buffer segments; each kernel attends causally within
-every segment and writes zeros at alignment-padding positions. `KERNELS` maps backend names to
-them (Transformer Engine is called by `PackedAttention` itself). ``sbhd_attention`` serves padded
-[s, b] batches.
+Each kernel attends causally within every buffer segment of `Documents` and writes zeros at
+alignment-padding positions. `KERNELS` maps backend names to them (Transformer Engine lives in
+`megapack.attention.te`, flex in `megapack.attention.flex`, torch's varlen_attn forms in
+`megapack.attention.varlen`). ``sbhd_attention`` serves padded [s, b] batches.
 
-Shapes: q [T, np, hn], k/v [T, ng, hn] -> [T, np, hn] (np query heads, ng key/value groups).
+Shapes: q [T, h, d], k/v [T, g, d] -> [T, h, d] (h query heads, g key/value groups, g divides h).
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
-
-class Documents:
-    """Document boundaries of a THD buffer: real lengths and buffer offsets (equal without padding)."""
-
-    def __init__(
-        self, cu_real: torch.Tensor, cu_buffer: torch.Tensor, max_seqlen: int, total: int
-    ) -> None:
-        self.cu_real = cu_real
-        self.cu_buffer = cu_buffer
-        self.max_seqlen = max_seqlen
-        self.total = total
-        self.padded = cu_buffer is not cu_real
-
-    @classmethod
-    def from_params(cls, params: Any, total: int) -> Documents:
-        cu_real = params.cu_seqlens_q
-        cu_buffer = (
-            params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else cu_real
-        )
-        kv = params.cu_seqlens_kv
-        # Identity first: megapack passes one tensor for q and kv, so no device sync happens here.
-        if kv is not None and kv is not cu_real and not torch.equal(kv, cu_real):
-            raise ValueError(
-                "PackedAttention is self-attention: cu_seqlens_kv must equal cu_seqlens_q"
-            )
-        return cls(cu_real, cu_buffer, int(params.max_seqlen_q), total)
-
-    def segment_ids(self) -> torch.Tensor:
-        """[T] index of the document each buffer position belongs to (on device, no host sync)."""
-        positions = torch.arange(self.total, device=self.cu_buffer.device)
-        return torch.searchsorted(self.cu_buffer[1:].to(torch.int64), positions, right=True)
-
-    def real_positions(self) -> torch.Tensor | None:
-        """[T] bool, False on alignment padding; None when nothing is padded."""
-        if not self.padded:
-            return None
-        seg = self.segment_ids().clamp(max=len(self.cu_real) - 2)
-        positions = torch.arange(self.total, device=self.cu_buffer.device)
-        lengths = (self.cu_real[1:] - self.cu_real[:-1]).to(torch.int64)
-        return (positions - self.cu_buffer[seg].to(torch.int64)) < lengths[seg]
-
-
-def zero_padding(out: torch.Tensor, docs: Documents) -> torch.Tensor:
-    real = docs.real_positions()
-    return out if real is None else out * real[:, None, None].to(out.dtype)
+from megapack.attention.documents import Documents, zero_padding
+from megapack.attention.flex import flex_attention_thd
+from megapack.attention.varlen import call_varlen
 
 
 def sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float, dropout: float
 ) -> torch.Tensor:
-    """Reference: one causal scaled_dot_product_attention per document. One host sync for boundaries."""
-    starts, ends = docs.cu_buffer.tolist(), docs.cu_real.tolist()
+    """Reference: one causal scaled_dot_product_attention per document.
+
+    Reads the boundaries on the host once per micro-batch (`Documents.host_bounds`, cached), then
+    slices on the host: the only megapack kernel that reads the device.
+    """
+    starts, ends = docs.host_bounds()
     gqa = q.shape[1] != k.shape[1]
     pieces = []
     for i in range(len(starts) - 1):
@@ -86,45 +44,13 @@ def sdpa_attention(
     return torch.cat(pieces)
 
 
-def flex_attention_thd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float, dropout: float
-) -> torch.Tensor:
-    """flex_attention with a block mask that is causal and document-local; compiled on CUDA."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    seg = docs.segment_ids()
-    real = docs.real_positions()
-
-    def document_causal(b: Any, h: Any, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
-        keep = (seg[qi] == seg[ki]) & (qi >= ki)
-        return keep if real is None else keep & (real[ki] | (qi == ki))
-
-    total = q.shape[0]
-    mask = create_block_mask(document_causal, None, None, total, total, device=q.device)
-    run = compiled_flex() if q.is_cuda else flex_attention
-    with (
-        warnings.catch_warnings()
-    ):  # on CPU the unfused eager path is deliberate (no compiler needed)
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = run(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-        )  # fmt: skip
-    return zero_padding(out[0].transpose(0, 1), docs)
-
-
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float, dropout: float
 ) -> torch.Tensor:
-    """torch.nn.attention.varlen.varlen_attn over buffer segments, causal (window (-1, 0))."""
-    from torch.nn.attention.varlen import varlen_attn
-
+    """torch's varlen_attn over the buffer segments, causal, in the installed torch's form."""
     cu = docs.cu_buffer.to(torch.int32)
-    out = varlen_attn(
-        q, k, v, cu, cu, docs.max_seqlen, docs.max_seqlen,
-        scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1],
-    )  # fmt: skip
-    return zero_padding(out, docs)  # type: ignore[arg-type]
+    out = call_varlen(q, k, v, cu, cu, docs.max_seqlen, docs.max_seqlen, scale=scale)
+    return zero_padding(out, docs)
 
 
 def flash_attn_attention(
@@ -135,17 +61,9 @@ def flash_attn_attention(
 
     cu = docs.cu_buffer.to(torch.int32)
     out = flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        cu,
-        cu,
-        docs.max_seqlen,
-        docs.max_seqlen,
-        dropout_p=dropout,
-        softmax_scale=scale,
-        causal=True,
-    )
+        q, k, v, cu, cu, docs.max_seqlen, docs.max_seqlen,
+        dropout_p=dropout, softmax_scale=scale, causal=True,
+    )  # fmt: skip
     return zero_padding(out, docs)
 
 
@@ -155,6 +73,7 @@ KERNELS = {
     "torch_varlen": varlen_attention,
     "flash_attn": flash_attn_attention,
 }
+"""Single-row kernels by backend name (Transformer Engine: `megapack.attention.te`)."""
 
 
 def sbhd_attention(
@@ -174,10 +93,3 @@ def sbhd_attention(
         enable_gqa=q.shape[2] != k.shape[2],
     )  # fmt: skip
     return out.permute(2, 0, 1, 3).reshape(s, b, -1)
-
-
-@functools.cache
-def compiled_flex() -> Any:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=True)

@@ -2,7 +2,8 @@
 
 megatron-core's local ``DotProductAttention`` refuses ``packed_seq_params``, and its fused THD path
 needs Transformer Engine. This module takes the same constructor arguments, so it drops into a
-layer spec (`megapack.megatron.packed_gpt_layer_spec`), and dispatches to the best kernel present.
+layer spec (`megapack.megatron.packed_gpt_layer_spec`), and dispatches to a kernel that takes the
+inputs (`megapack.attention.choice`: ``backend="auto"`` chooses by device, dtype and training).
 
 Shapes (per tensor-parallel partition; np query heads, ng key/value groups, hn head dim):
 
@@ -11,19 +12,13 @@ Shapes (per tensor-parallel partition; np query heads, ng key/value groups, hn h
 
 Document boundaries come from ``cu_seqlens_q`` (real lengths) and, when documents are padded for
 alignment, ``cu_seqlens_q_padded`` (buffer offsets). Each query attends to the keys of its own
-document at positions <= its own. Outputs at alignment-padding positions are zero.
+document at positions <= its own. Outputs at alignment-padding positions are zero. What is derived
+from the boundaries (positions, masks, the flex block mask, RoPE's cos/sin) is computed once per
+micro-batch and cached on ``packed_seq_params`` (`megapack.attention.documents`).
 
-Backends, by name:
-
-    flash_attn    flash_attn_varlen_func                  CUDA, needs flash-attn
-    te            Transformer Engine DotProductAttention  CUDA, needs transformer-engine
-    torch_varlen  torch.nn.attention.varlen.varlen_attn   CUDA
-    flex          flex_attention + document block mask    CUDA; CPU forward only (torch has no CPU backward)
-    sdpa          scaled_dot_product_attention per doc    anywhere: the reference
-
-``backend="auto"`` picks the first available in the order above for the tensors' device, except
-that on CPU it picks ``sdpa``: measured here, flex's eager CPU path is ~50x slower than the
-per-document SDPA loop (T=2,048 in 16 documents: 0.87 s vs 0.016 s forward).
+RoPE: for THD batches `megapack.megatron`'s self-attention hands megatron-core's table over
+(`megapack.attention.rope`) and the query and key are rotated here, by each token's position in its
+document, before attention, with no host read.
 """
 
 from __future__ import annotations
@@ -36,8 +31,10 @@ import torch.distributed as dist
 
 from megapack.attention.choice import BACKENDS, resolve_backend
 from megapack.attention.cp import cp_attention, plan_for, sbhd_cp_attention
-from megapack.attention.kernels import KERNELS, Documents, sbhd_attention, zero_padding
-from megapack.attention.rope import apply_rope
+from megapack.attention.documents import Documents
+from megapack.attention.kernels import KERNELS, sbhd_attention
+from megapack.attention.rope import RopeTables, apply_rope, handed_over
+from megapack.attention.te import te_attention
 from megapack.cp import CP_LAYOUTS, CpLayout
 
 
@@ -56,10 +53,13 @@ class PackedAttention(torch.nn.Module):
 
     Context parallelism: the CP group is ``packed_seq_params.cp_group``, else ``pg_collection.cp``,
     else megatron-core's parallel state. With more than one CP rank, Transformer Engine runs its
-    own THD CP ("document" layout only); every other backend runs `megapack.attention.cp`. RoPE is
-    then applied here, from each token's position in its document, when `megapack.megatron`'s
-    self-attention hands the table over in ``rope`` (megatron-core's own THD RoPE cannot place the
-    "row" layout's tokens).
+    own THD CP ("document" layout only); every other backend runs `megapack.attention.cp`.
+
+    RoPE: when `megapack.megatron`'s self-attention has handed the tables over on
+    ``packed_seq_params`` (`megapack.attention.rope.hand_over`), q and k are rotated here by each
+    token's position in its document (under CP, the CP plan's positions), honouring
+    ``config.rotary_interleaved`` and the table's rotary dim; layers in ``config.no_rope_freq`` are
+    not rotated, as in megatron-core.
     """
 
     def __init__(
@@ -116,13 +116,14 @@ class PackedAttention(torch.nn.Module):
         self.dropout = float(
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
-        self._te: Any = None
         self.config = config
         self.cp_layout = cp_layout
         self.cp_comm_type = cp_comm_type
         self._cp_group = getattr(pg_collection, "cp", None)
-        self.rope: Any = None
-        """(query table, key table) for the next forward, set by `megapack.megatron`'s attention."""
+        no_rope = getattr(config, "no_rope_freq", None)
+        self.rotary = not (no_rope and no_rope[layer_number - 1])
+        """Whether this layer applies RoPE (megatron-core's ``no_rope_freq`` turns it off per layer)."""
+        self.rotary_interleaved = bool(getattr(config, "rotary_interleaved", False))
 
     def forward(
         self,
@@ -137,7 +138,6 @@ class PackedAttention(torch.nn.Module):
         if attention_bias is not None:
             raise ValueError("PackedAttention does not support attention_bias")
         dropout = self.dropout if self.training else 0.0
-        rope, self.rope = self.rope, None
         group = self.context_parallel_group(packed_seq_params)
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             if group is not None:
@@ -146,14 +146,19 @@ class PackedAttention(torch.nn.Module):
         if query.dim() != 3:
             raise ValueError(f"THD query must be [T, heads, dim], got shape {tuple(query.shape)}")
         needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
-        name = resolve_backend(self.backend, query.device, training=needs_grad, dropout=dropout)
+        name = resolve_backend(
+            self.backend, query.device, training=needs_grad, dropout=dropout, dtype=query.dtype
+        )
         docs = Documents.from_params(packed_seq_params, total=query.shape[0])
+        rope = handed_over(packed_seq_params) if self.rotary else None
         if group is not None:
             return self._cp_forward(
                 query, key, value, packed_seq_params, docs, group, name, rope, dropout
             )
+        if rope is not None:
+            query, key = self._rotate(query, key, rope, docs.offsets(), docs)
         if name == "te":
-            out = self._te_attention(query, key, value, docs, dropout)
+            out = te_attention(query, key, value, docs, scale=self.softmax_scale, dropout=self.dropout, training=self.training)  # fmt: skip
         else:
             out = KERNELS[name](query, key, value, docs, self.softmax_scale, dropout)
         return out.reshape(query.shape[0], -1)
@@ -183,54 +188,24 @@ class PackedAttention(torch.nn.Module):
             cp_rank=dist.get_rank(group), layout=self.cp_layout, local_total=q.shape[0],
         )  # fmt: skip
         if rope is not None:
-            q_table, k_table = rope if isinstance(rope, tuple) else (rope, rope)
-            q = apply_rope(q, q_table, plan.offsets, self.config)
-            k = apply_rope(k, k_table, plan.offsets, self.config)
+            q, k = self._rotate(q, k, rope, plan.offsets, docs)
         if name == "te":
-            out = self._te_attention(q, k, v, docs, dropout, cp_group=group)
+            out = te_attention(q, k, v, docs, scale=self.softmax_scale, dropout=self.dropout, training=self.training, cp_group=group, cp_comm_type=self.cp_comm_type)  # fmt: skip
         else:
             out = cp_attention(q, k, v, plan, group=group, kernel=name, scale=self.softmax_scale, dropout=dropout)  # fmt: skip
         return out.reshape(q.shape[0], -1)
 
-    def _te_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, dropout: float,
-        cp_group: Any = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """Transformer Engine's THD attention; with ``cp_group``, its native context parallelism.
-
-        Untested here (CUDA only). TE takes the CP group, its global ranks, a side stream and the
-        comm type ("p2p" unless megatron-core passed ``cp_comm_type``) at construction, and wants
-        the whole row's ``cu_seqlens`` with this rank's "document"-layout share of the tokens.
-        """
-        if self._te is None:
-            import transformer_engine.pytorch as te
-
-            cp_args = {} if cp_group is None else {
-                "cp_group": cp_group, "cp_global_ranks": dist.get_process_group_ranks(cp_group),
-                "cp_stream": torch.cuda.Stream(), "cp_comm_type": self.cp_comm_type or "p2p",
-            }  # fmt: skip
-            module = te.DotProductAttention(
-                self.heads_per_partition,
-                self.head_dim,
-                num_gqa_groups=self.groups_per_partition,
-                attention_dropout=self.dropout,
-                qkv_format="thd",
-                attn_mask_type="padding_causal",
-                softmax_scale=self.softmax_scale,
-                **cp_args,
-            )
-            object.__setattr__(
-                self, "_te", module
-            )  # not a registered submodule: state_dict unchanged
-        self._te.training = self.training
-        out = self._te(
-            q, k, v,
-            qkv_format="thd", attn_mask_type="padding_causal",
-            cu_seqlens_q=docs.cu_real, cu_seqlens_kv=docs.cu_real,
-            cu_seqlens_q_padded=docs.cu_buffer, cu_seqlens_kv_padded=docs.cu_buffer,
-            max_seqlen_q=docs.max_seqlen, max_seqlen_kv=docs.max_seqlen,
-        )  # fmt: skip
-        return zero_padding(out.reshape(q.shape[0], q.shape[1], -1), docs)
+    def _rotate(
+        self, q: torch.Tensor, k: torch.Tensor, rope: RopeTables, positions: torch.Tensor,
+        docs: Documents,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """q and k rotated by the handed-over tables at ``positions`` (per-token, on the device)."""
+        inter, mscale = self.rotary_interleaved, rope.mscale
+        if rope.q is not None:
+            q = apply_rope(q, rope.q, positions, interleaved=inter, mscale=mscale, docs=docs)
+        if rope.k is not None:
+            k = apply_rope(k, rope.k, positions, interleaved=inter, mscale=mscale, docs=docs)
+        return q, k
 
 
 def _mpu_tp_size() -> int:

@@ -5,9 +5,10 @@
 `megapack.get_batch_on_this_tp_rank` returns:
 
 * attention stays within each document (``packed_seq_params.cu_seqlens_q``), on every stage;
-* RoPE restarts at 0 for every document: megatron-core's ``apply_rotary_pos_emb`` receives
-  ``cu_seqlens`` from ``packed_seq_params`` when ``qkv_format == "thd"`` and rotates each document
-  from position 0, with tables sized by ``max_seqlen`` (why every stage needs ``max_seqlen``);
+* RoPE restarts at 0 for every document: the self-attention hands megatron-core's RoPE table
+  (sized by ``max_seqlen``, why every stage needs it) to `PackedAttention`, which rotates q and k by
+  each token's position in its document, computed on the device (megatron-core 0.16's own THD RoPE
+  reads the lengths on the host and loops over documents, for q and k in every layer);
 * learned absolute position embeddings read the per-document ``position_ids`` on the first stage.
 
 Padded batches (no ``packed_seq_params``) run through the same spec with causal attention, so packed
@@ -21,6 +22,7 @@ import functools
 from typing import Any
 
 from megapack.attention import BACKENDS, PackedAttention
+from megapack.attention.rope import RopeTables, hand_over
 from megapack.cp import CpLayout
 
 
@@ -29,10 +31,10 @@ def packed_gpt_layer_spec(
 ) -> Any:
     """megatron-core's ``get_gpt_layer_local_spec(**local_spec_kwargs)`` with THD-capable core attention.
 
-    With context parallelism (``context_parallel_size > 1``), the self-attention hands RoPE to
-    `PackedAttention`, which rotates each token by its position in its document, computed from the
-    whole row's boundaries and ``cp_layout`` (megatron-core's THD RoPE with ``cp_group`` assumes the
-    "document" layout and padded spans no longer than ``max_seqlen``). Without CP nothing changes.
+    For THD batches the self-attention hands megatron-core's RoPE table to `PackedAttention`, which
+    rotates each token by its position in its document, on the device, without reading the
+    boundaries on the host (`megapack.attention.rope`); under context parallelism the positions come
+    from the whole row's boundaries and ``cp_layout``. Padded batches keep megatron-core's RoPE.
 
     Args:
         backend: attention backend, one of ``megapack.attention.BACKENDS`` or ``"auto"``.
@@ -72,11 +74,19 @@ def packed_gpt_layer_spec(
 
 @functools.cache
 def _rope_handover_attention() -> type:
-    """megatron-core's ``SelfAttention`` that, under THD context parallelism, lets the core attention rotate."""
+    """megatron-core's ``SelfAttention`` that lets `PackedAttention` rotate THD batches."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor_from_config as yarn_mscale,
+    )
     from megatron.core.transformer.attention import SelfAttention
 
     class RopeHandoverSelfAttention(SelfAttention):
-        """``SelfAttention`` whose RoPE table goes to `PackedAttention` when THD batches use CP."""
+        """``SelfAttention`` whose RoPE tables go to `PackedAttention` for THD batches.
+
+        The tables travel on ``packed_seq_params`` (`megapack.attention.rope.hand_over`), which
+        megatron-core passes to the core attention again when it recomputes it (activation
+        checkpointing). Inference (a KV cache) keeps megatron-core's own RoPE.
+        """
 
         def forward(
             self,
@@ -85,14 +95,22 @@ def _rope_handover_attention() -> type:
             packed_seq_params: Any = None,
             **kwargs: Any,
         ) -> Any:
-            core = self.core_attention
+            inference = kwargs.get("inference_context") or kwargs.get("inference_params")
             if (
-                rotary_pos_emb is not None
-                and getattr(packed_seq_params, "qkv_format", None) == "thd"
-                and isinstance(core, PackedAttention)
-                and core.context_parallel_group(packed_seq_params) is not None
+                getattr(packed_seq_params, "qkv_format", None) == "thd"
+                and isinstance(self.core_attention, PackedAttention)
+                and inference is None
             ):
-                core.rope, rotary_pos_emb = rotary_pos_emb, None
+                tables = None
+                if rotary_pos_emb is not None:
+                    q_emb, k_emb = (
+                        rotary_pos_emb
+                        if isinstance(rotary_pos_emb, tuple)
+                        else (rotary_pos_emb, rotary_pos_emb)
+                    )
+                    tables = RopeTables(q=q_emb, k=k_emb, mscale=yarn_mscale(self.config))
+                if hand_over(packed_seq_params, tables):
+                    rotary_pos_emb = None
             return super().forward(
                 *args, rotary_pos_emb=rotary_pos_emb, packed_seq_params=packed_seq_params, **kwargs
             )

@@ -149,8 +149,113 @@ def test_errors_name_the_problem() -> None:
         attention("sdpa")(q, k, v, None, attention_bias=torch.zeros(1), packed_seq_params=params)
     if DEVICE.type == "cpu":
         with pytest.raises(
-            ValueError, match="'flex' cannot run training on cpu: its backward pass is CUDA-only"
+            ValueError,
+            match=r"'flex' cannot run training on cpu float32: flex_attention has no backward on "
+            r"CPU .* use backend='auto' \(here: 'sdpa'\)",
         ):
             attention("flex")(q, k, v, None, packed_seq_params=params)
-        with pytest.raises(ValueError, match="'flash_attn' cannot run"):
+        with pytest.raises(ValueError, match="'flash_attn' cannot run training on cpu float32"):
             attention("flash_attn")(q, k, v, None, packed_seq_params=params)
+
+
+# ---- flex: one block mask per micro-batch, one compiled graph ---------------------------------
+
+MASK_CASES = {  # (cu_real, cu_buffer or None, total, block)
+    "unpadded-128": ([0, 100, 101, 400, 433], None, 433, 128),
+    "padded-16": ([0, 3, 4, 40, 47], [0, 16, 32, 80, 96], 96, 16),
+    "one-token-docs-16": ([0, 1, 2, 3, 36], [0, 8, 16, 24, 64], 64, 16),
+    "tail-16": ([0, 5, 25], [0, 16, 37], 37, 16),  # T cuts the last tile: partial tiles only
+}
+
+
+@pytest.mark.parametrize("case", list(MASK_CASES))
+def test_flex_block_tables_equal_create_block_mask(case: str) -> None:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from megapack.attention.flex import document_intervals, interval_block_mask
+
+    real, buffer, total, block = MASK_CASES[case]
+    cu_real = torch.tensor(real)
+    cu_buffer = cu_real if buffer is None else torch.tensor(buffer)
+    lo, hi, extra = document_intervals(torch.arange(total), cu_buffer, cu_real)
+    ours = interval_block_mask(lo, hi, extra, total, block=block)
+    doc = torch.searchsorted(cu_buffer[1:], torch.arange(total), right=True)
+    length = (cu_real[1:] - cu_real[:-1])[doc.clamp(max=len(real) - 2)]
+    is_real = torch.arange(total) - cu_buffer[doc.clamp(max=len(real) - 2)] < length
+
+    def brute(b: Any, h: Any, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+        return (doc[qi] == doc[ki]) & (ki <= qi) & (is_real[ki] | (qi == ki))
+
+    want = create_block_mask(brute, None, None, total, total, device="cpu", BLOCK_SIZE=block)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert torch.equal(getattr(ours, name), getattr(want, name)), name
+    assert ours.kv_num_blocks.sum() > 0 and (ours.full_kv_num_blocks.sum() > 0) != (
+        case == "tail-16"
+    )
+    pairs = torch.cartesian_prod(torch.arange(total), torch.arange(total))
+    mask_mod = ours.mask_mod
+    got = mask_mod(0, 0, pairs[:, 0], pairs[:, 1])
+    assert torch.equal(got, brute(0, 0, pairs[:, 0], pairs[:, 1]))
+
+
+def test_flex_mask_is_built_once_per_micro_batch() -> None:
+    from megapack.attention.documents import Documents
+    from megapack.attention.flex import document_block_mask
+
+    params = make_packed_seq_params(torch.tensor([0, 5, 16], dtype=torch.int32), None, 11)
+    docs = Documents.from_params(params, total=16)
+    mask = document_block_mask(docs, torch.device("cpu"))
+    # every later layer, and the backward's recompute, get the same Documents and mask
+    assert Documents.from_params(params, total=16) is docs
+    assert document_block_mask(Documents.from_params(params, total=16), torch.device("cpu")) is mask
+    other = make_packed_seq_params(torch.tensor([0, 5, 16], dtype=torch.int32), None, 11)
+    assert Documents.from_params(other, total=16) is not docs  # the next micro-batch: its own
+    params.cu_seqlens_q.add_(0)  # modified in place: rebuilt
+    assert Documents.from_params(params, total=16) is not docs
+
+
+def test_flex_compiles_once_for_every_boundary_set_of_one_row_length() -> None:
+    """Forward only: torch 2.13 has no flex backward on CPU (see the gpu test below)."""
+    from torch._dynamo.utils import counters
+
+    module = attention("flex")
+    boundary_sets = [[0, 16], [0, 3, 5, 9, 16], [0, 1, 2, 15, 16], [0, 8, 16]]
+    outputs, graphs = [], []
+    for real in boundary_sets:
+        q, k, v = (x.detach() for x in inputs(16, seed=len(real)))
+        params = make_packed_seq_params(torch.tensor(real, dtype=torch.int32), None, 16)
+        with torch.no_grad():
+            for _layer in range(2):
+                out = module(q, k, v, None, packed_seq_params=params)
+        graphs.append(counters["stats"]["unique_graphs"])
+        want = dense_reference(q, k, v, real, real)
+        outputs.append(torch.allclose(out, want, rtol=1e-5, atol=1e-5))
+    assert all(outputs)
+    assert graphs[1:] == [graphs[0]] * 3, f"recompiled as boundaries changed: {graphs}"
+    q, k, v = (x.detach() for x in inputs(24, seed=0))  # a new row length: one more graph (CPU)
+    params = make_packed_seq_params(torch.tensor([0, 10, 24], dtype=torch.int32), None, 14)
+    with torch.no_grad():
+        module(q, k, v, None, packed_seq_params=params)
+    assert counters["stats"]["unique_graphs"] == graphs[0] + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex backward needs CUDA in torch")
+def test_flex_training_on_cuda_matches_reference_without_recompiles() -> None:
+    from torch._dynamo.utils import counters
+
+    module = attention("flex")
+    graphs = []
+    for real in ([0, 300, 700, 1024], [0, 1, 512, 1024], [0, 1024]):
+        q, k, v = (x.to(torch.bfloat16).detach().requires_grad_() for x in inputs(1024, seed=1))
+        params = make_packed_seq_params(torch.tensor(real, dtype=torch.int32, device=DEVICE), None, 1024)  # fmt: skip
+        out = module(q, k, v, None, packed_seq_params=params)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        ref_in = [x.detach().float().cpu().requires_grad_() for x in (q, k, v)]
+        ref = dense_reference(ref_in[0], ref_in[1], ref_in[2], real, real)
+        want = torch.autograd.grad(ref.square().sum(), ref_in)
+        torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+        for got, expected in zip(grads, want, strict=True):
+            torch.testing.assert_close(got.float().cpu(), expected, rtol=5e-2, atol=5e-2)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == [graphs[0]] * 2, f"recompiled as boundaries changed: {graphs}"
