@@ -16,8 +16,11 @@ logging.getLogger("megapack").addHandler(
 
 if TYPE_CHECKING:
     from megapack.align import align_by_kind
-    from megapack.batch import PackedBatch
     from megapack.comm import long_operation
+    from megapack.core.batch import PackedBatch
+    from megapack.core.fields import BUILTIN_FIELDS, BatchField
+    from megapack.delivery.get_batch import get_batch_on_this_tp_rank
+    from megapack.delivery.prefetch import Prefetcher, prefetch
     from megapack.errors import (
         CollectiveError,
         DesyncError,
@@ -25,18 +28,16 @@ if TYPE_CHECKING:
         RemoteDataError,
         RemoteRankError,
     )
-    from megapack.prefetcher import Prefetcher, prefetch
     from megapack.sync import check_in_sync, lockstep
     from megapack.topology import Stage, Topology
-    from megapack.transfer import get_batch_on_this_tp_rank
-    from megapack.wire import FIELDS
 
 _EXPORTS = {
-    "FIELDS": "megapack.wire",
+    "BUILTIN_FIELDS": "megapack.core.fields",
+    "BatchField": "megapack.core.fields",
     "CollectiveError": "megapack.errors",
     "DesyncError": "megapack.errors",
-    "PackedBatch": "megapack.batch",
-    "Prefetcher": "megapack.prefetcher",
+    "PackedBatch": "megapack.core.batch",
+    "Prefetcher": "megapack.delivery.prefetch",
     "ProtocolError": "megapack.errors",
     "RemoteDataError": "megapack.errors",
     "RemoteRankError": "megapack.errors",
@@ -44,15 +45,16 @@ _EXPORTS = {
     "Topology": "megapack.topology",
     "align_by_kind": "megapack.align",
     "check_in_sync": "megapack.sync",
-    "get_batch_on_this_tp_rank": "megapack.transfer",
+    "get_batch_on_this_tp_rank": "megapack.delivery.get_batch",
     "lockstep": "megapack.sync",
     "long_operation": "megapack.comm",
-    "prefetch": "megapack.prefetcher",
+    "prefetch": "megapack.delivery.prefetch",
 }
 """Public name -> the module defining it, imported on first access."""
 
 __all__ = [
-    "FIELDS",
+    "BUILTIN_FIELDS",
+    "BatchField",
     "CollectiveError",
     "DesyncError",
     "PackedBatch",

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megapack.cp import CpLayout
 from megapack.topology import Topology
-from megapack.transfer import get_batch_on_this_tp_rank
+from megapack.delivery.get_batch import get_batch_on_this_tp_rank
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,9 +12,8 @@ is a gloo group with the same ranks, created once and cached for as long as the 
 * **Up front** (explicit): `set_control_group(group, control)` with a gloo group you created
   yourself, e.g. right after ``initialize_model_parallel`` in world lockstep.
 
-A gloo group created for a gloo ``group`` is also accepted: then `get_batch_on_this_tp_rank`
-takes the split path (header on ``control``, payload on ``group``) even on CPU, which is how the
-tests exercise the NCCL protocol on CPU.
+A gloo group registered for a gloo ``group`` is also accepted: then headers travel on it and
+payloads on ``group``, as on NCCL (how the tests exercise the NCCL path on CPU).
 
 Example:
     >>> from megapack.side_groups import control_group, set_control_group  # doctest: +SKIP
@@ -68,20 +67,13 @@ def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return twin
 
 
-def registered_control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The group given to `set_control_group` for ``group``, or None (no talking, no creation)."""
-    pg = group if group is not None else dist.group.WORLD
-    return None if pg is None else _controls.get(pg)
-
-
 def set_control_group(group: dist.ProcessGroup | None, control: dist.ProcessGroup) -> None:
     """Use ``control`` for ``group``'s host-side messages from now on (explicit one-time setup).
 
     Args:
         group: the data group (e.g. the NCCL TP group), or None for the default group.
         control: a group with exactly ``group``'s ranks, in the same order, that carries CPU
-            tensors (gloo). Registering one for a gloo ``group`` moves `get_batch_on_this_tp_rank`
-            to the split header/payload path.
+            tensors (gloo).
 
     Raises:
         ValueError: ``control`` has other ranks, or cannot carry CPU tensors, or is ``group``.

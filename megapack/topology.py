@@ -19,23 +19,13 @@ own TP source, which reads the same full row and keeps its CP share (`megapack.c
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from megapack.cp import CP_LAYOUTS, CpLayout
-
-
-class Stage(enum.Enum):
-    """The role of a pipeline stage, which decides the fields it receives."""
-
-    ONLY = "only"
-    FIRST = "first"
-    MIDDLE = "middle"
-    LAST = "last"
-    MTP = "mtp"
+from megapack.core.cp import CP_LAYOUTS, CpLayout
+from megapack.core.fields import Stage
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

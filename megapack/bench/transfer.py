@@ -40,13 +40,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megapack.batch import PackedBatch
+from megapack.core.batch import PackedBatch
+from megapack.core.fields import Stage, schema_of
+from megapack.core.items import normalize
+from megapack.delivery.get_batch import get_batch_on_this_tp_rank
+from megapack.delivery.prefetch import prefetch
+from megapack.delivery.transport import use_transport
+from megapack.delivery.wire import encode
 from megapack.grid import grid_topology
-from megapack.link_setup import local_links
-from megapack.prefetcher import prefetch
-from megapack.topology import Stage, Topology
-from megapack.transfer import get_batch_on_this_tp_rank
-from megapack.wire import encode
+from megapack.topology import Topology
 
 METHODS = ("megapack", "megapack_gloo", "per_tensor", "bare_megatron", "bare_payload")
 _TENSORS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens")
@@ -73,6 +75,12 @@ def sample_batch(seq_len: int, seed: int = 0) -> PackedBatch:
         docs.append(rng.integers(1, 32_000, n))
         used += n
     return PackedBatch.from_documents(docs, seq_len=seq_len)
+
+
+def payload_bytes(batch: PackedBatch, stage: Stage) -> int:
+    """Bytes of megapack's payload of ``batch`` for ``stage`` (`megapack.delivery.wire`)."""
+    schema = schema_of()
+    return encode(normalize(batch, schema), schema, stage, torch.device("cpu"))[0].nbytes
 
 
 def megatron_bytes(batch: PackedBatch) -> int:
@@ -144,7 +152,7 @@ def run_transfer(seq_lens: list[int], repeats: int, warmup: int) -> list[dict[st
     rows = []
     for seq_len in seq_lens:
         batch = sample_batch(seq_len)
-        nbytes = encode(batch, Stage.ONLY, topo.device)[0].nbytes
+        nbytes = payload_bytes(batch, Stage.ONLY)
         mbytes = megatron_bytes(batch)
         bare_payload = torch.zeros(nbytes, dtype=torch.uint8, device=topo.device)
         bare_megatron = torch.zeros(mbytes, dtype=torch.uint8, device=topo.device)
@@ -156,7 +164,7 @@ def run_transfer(seq_lens: list[int], repeats: int, warmup: int) -> list[dict[st
             get_batch_on_this_tp_rank(iter([b]) if topo.is_source else None, topology=topo)
 
         def megapack_gloo_call(b: PackedBatch = batch) -> None:
-            with local_links(False):
+            with use_transport("collectives"):
                 get_batch_on_this_tp_rank(iter([b]) if topo.is_source else None, topology=topo)
 
         def per_tensor_call(b: PackedBatch = on_device) -> None:
@@ -190,7 +198,7 @@ def run_transfer(seq_lens: list[int], repeats: int, warmup: int) -> list[dict[st
             "seq_len": seq_len,
             "payload_bytes": nbytes,
             "megatron_bytes": mbytes,
-            "bytes_per_stage": {s.value: encode(batch, s, topo.device)[0].nbytes for s in Stage},
+            "bytes_per_stage": {s.value: payload_bytes(batch, s) for s in Stage},
             "documents": len(batch.cu_seqlens) - 1,
             "compute_ms": compute_ms,
             "prefetch_blocked_ms": blocked_ms,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megapack import PackedBatch, Topology, get_batch_on_this_tp_rank
 from megapack.cp import CP_LAYOUTS, cp_indices
-from megapack.link_setup import local_links
+from megapack.delivery.transport import use_transport
 from megapack.testing.grids import CP_GRIDS, Grid, grid_topology
 from tests.functional.test_tp_pp_grid import COLLECTIVES, TENSOR_KEYS, expected
 
@@ -156,7 +156,7 @@ def run_cp_grid(
     must equal the hand-built one of the same grid. ``links``: TP peers on local links (the
     default on one host) or gloo frames, whose every collective size is recorded.
     """
-    with local_links(links):
+    with use_transport("auto" if links else "collectives"):
         return _run_cp_grid(tp, pp, cp, use_megatron)
 
 
@@ -260,14 +260,14 @@ def test_cp_grid_every_rank_gets_its_share(dist_pool: Any, grid: Grid) -> None:
 @pytest.mark.parametrize("grid", [Grid(2, 1, 2), Grid(2, 2, 2)], ids=lambda g: g.id)
 def test_cp_grid_over_local_links(dist_pool: Any, grid: Grid) -> None:
     # The same calls with TP peers on local links: the same outputs, and no collective after the
-    # link's set-up (a broadcast and an all-reduce on the first call).
+    # set-up on the first call (the fields check, and the link's all-gather and two all-reduces).
     results = dist_pool.run(
         run_cp_grid, grid.world_size, grid.tp, grid.pp, grid.cp, False, True, timeout=120
     )
     for r in results:
         check_rank(r, grid.cp)
         sizes = [v["sizes"] for v in r["runs"].values()]
-        assert len(sizes[0]) == 2 and not any(sizes[1:]), (r["tp_ranks"], sizes)
+        assert len(sizes[0]) == 4 and not any(sizes[1:]), (r["tp_ranks"], sizes)
 
 
 def test_cp_topology_from_megatron_parallel_state(dist_pool: Any) -> None:
@@ -280,7 +280,7 @@ def test_cp_topology_from_megatron_parallel_state(dist_pool: Any) -> None:
 def run_bytes(tp: int, cp: int, n_rows: int) -> int:
     """Bytes this rank's collectives moved for ``n_rows`` rows of 4096 tokens (16 documents each),
     on gloo frames (links off: a local link moves the same frames without collectives)."""
-    with local_links(False):
+    with use_transport("collectives"):
         return _run_bytes(tp, cp, n_rows)
 
 

@@ -21,10 +21,10 @@ import pytest
 import torch.distributed as dist
 
 import megapack
-from megapack.link_setup import local_links
+from megapack.delivery.transport import use_transport
+from megapack.side_groups import set_control_group
 from megapack.testing.grids import grid_topology
 from megapack.testing.pool import WorkerPool
-from megapack.testing.split_path import force_split_path
 
 pytestmark = pytest.mark.distributed
 
@@ -149,16 +149,18 @@ def batches(n: int) -> Iterator[megapack.PackedBatch]:
         yield megapack.PackedBatch.from_documents([[1, 2, 3], [4, 5 + i]])
 
 
-# "link": the default on one host, frames over a local link (megapack.local_link); "frame": gloo's
-# one-frame path (links off); "split": header on a separate gloo control group, payload on the TP
-# group, the path NCCL groups take (megapack.split_transfer), links off; "split-link": its header
-# over the local link; "prefetch...": through megapack.prefetch(depth=2), batches fetched ahead in
-# a thread (links on).
+# "link": the default on one host, frames over a local link (megapack.delivery.link); "frame":
+# links off, header and payload broadcast on the TP group; "split": header on a separate gloo
+# control group, payload on the TP group, the path NCCL groups take, links off; "split-link": its
+# header over the local link; "prefetch...": through megapack.prefetch(depth=2), batches fetched
+# ahead in a thread.
 PATHS = ["link", "frame", "split", "split-link", "prefetch", "prefetch-split"]
+_MODES = {"link": "auto", "frame": "collectives", "split": "collectives", "split-link": "split",
+          "prefetch": "auto", "prefetch-split": "split"}  # fmt: skip
 
 
 def run_get_batch_fault(fault: str, path: str = "link") -> Any:
-    with local_links(path not in ("frame", "split")):
+    with use_transport(_MODES[path]):
         return _get_batch_fault(fault, path)
 
 
@@ -168,8 +170,9 @@ def _get_batch_fault(fault: str, path: str) -> Any:
     importlib.import_module("megatron.core.packed_seq_params")
     dist.barrier()
     topo = grid_topology(dist.get_world_size(), 1)
-    if "split" in path:
-        force_split_path(topo)
+    if "split" in path and topo.tp_group is not None:  # a separate gloo group for the header
+        twin = dist.new_group(list(topo.tp_ranks), backend="gloo", use_local_synchronization=True)
+        set_control_group(topo.tp_group, twin)
     data = batches(5) if topo.is_source else None
     clock = [time.perf_counter()]
     with contextlib.ExitStack() as stack:
@@ -220,7 +223,7 @@ def test_get_batch_killed_receiver(pool: WorkerPool, path: str) -> None:
 def test_get_batch_stuck_source(pool: WorkerPool, path: str) -> None:
     results = pool.run(run_get_batch_fault, 3, "stuck-source", path, timeout=30)
     assert results[0][0] == "ok"  # the source itself just returned after its sleep
-    parts = {"link": "frame from", "frame": "frame broadcast", "split": "header broadcast"}
+    parts = {"link": "frame from", "frame": "header broadcast", "split": "header broadcast"}
     part = (parts | {"split-link": "header from"}).get(path, "prefetch agreement")
     for kind, message, seconds in results[1:]:
         assert kind == "CollectiveError" and f"{part} " in message and "timed out" in message

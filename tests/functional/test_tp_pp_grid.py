@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megapack import PackedBatch, Topology, get_batch_on_this_tp_rank
-from megapack.link_setup import local_links
+from megapack.delivery.transport import use_transport
 from megapack.testing.grids import GRIDS, Grid, grid_topology
 
 pytestmark = pytest.mark.distributed
@@ -227,9 +227,11 @@ def check_rank(result: dict[str, Any], mbs: int, tp: int) -> None:
         else:
             assert got["max_seqlen_type"] == "int", at
             assert got["psp"] == ("thd", True, True, True, want["max_seqlen"], "int"), at
-    # At most 2 collectives per batch, 1 for the clean stop, none at all without TP peers.
+    # The group's first call sets up (fields check, local link: 4 collectives); then at most 2
+    # collectives per batch, 1 for the clean stop, none at all without TP peers.
     limit = 2 if tp > 1 else 0
-    assert max(result["collectives"][:-1]) <= limit, (
+    assert result["collectives"][0] <= limit + (4 if tp > 1 else 0), result["collectives"]
+    assert max(result["collectives"][1:-1]) <= limit, (
         f"{where}: collectives per call {result['collectives']}"
     )
     assert result["collectives"][-1] <= (1 if tp > 1 else 0), (
@@ -373,9 +375,9 @@ def test_peers_on_different_stages_are_refused(dist_pool: Any) -> None:
     assert "this rank is on stage 'last'" in receiver
 
 
-def run_steady_state(tp: int, row_lengths: list[int], links: bool) -> list[int]:
+def run_steady_state(tp: int, row_lengths: list[int], mode: str) -> list[int]:
     """Collectives per call (and the final stop) for rows of the given lengths, 8-token documents."""
-    with local_links(links):
+    with use_transport(mode):
         return _steady_state(tp, row_lengths)
 
 
@@ -393,17 +395,18 @@ def _steady_state(tp: int, row_lengths: list[int]) -> list[int]:
     return per_call
 
 
-def test_steady_state_is_one_collective_per_call(dist_pool: Any) -> None:
-    # Gloo frames: the first call sizes the frame (2 collectives); same-shape calls then fit it
-    # (1). Rows 4x longer outgrow it (2, then 1); shorter rows fit and shrink it for later calls (1).
+def test_steady_state_on_collectives_is_header_and_payload(dist_pool: Any) -> None:
+    # Links off: the first call checks that every rank declared the same fields (1 all-gather);
+    # every batch is then a header broadcast and a payload broadcast, the stop a header alone.
     lengths = [64, 64, 64, 256, 256, 64, 64]
-    results = dist_pool.run(run_steady_state, 4, 4, lengths, False, timeout=30)
-    assert all(r == [2, 1, 1, 2, 1, 1, 1, 1] for r in results), results
+    results = dist_pool.run(run_steady_state, 4, 4, lengths, "collectives", timeout=30)
+    assert all(r == [3, 2, 2, 2, 2, 2, 2, 1] for r in results), results
 
 
 def test_steady_state_on_a_local_link_is_no_collective(dist_pool: Any) -> None:
-    # A local link (megapack.local_link) is set up on the first call (a broadcast of its address
-    # and an all-reduce that everyone connected); after that frames of any size use no collective.
+    # The first call checks the fields (1 all-gather) and sets up the local link (an all-gather
+    # of pids, address and secret, and two all-reduces: everyone reached it, everyone was
+    # accepted); after that frames of any size use no collective.
     lengths = [64, 64, 64, 256, 256, 64, 64]
-    results = dist_pool.run(run_steady_state, 4, 4, lengths, True, timeout=30)
-    assert all(r == [2, 0, 0, 0, 0, 0, 0, 0] for r in results), results
+    results = dist_pool.run(run_steady_state, 4, 4, lengths, "auto", timeout=30)
+    assert all(r == [4, 0, 0, 0, 0, 0, 0, 0] for r in results), results

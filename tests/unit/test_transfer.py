@@ -30,7 +30,7 @@ def test_single_rank_path_and_clean_stop() -> None:
         (
             {"tokens": torch.zeros(1, 4, dtype=torch.long), "text": "x"},
             ValueError,
-            r"unexpected keys \['text'\]",
+            r"undeclared keys \['text'\]",
         ),
         (
             [1, 2, 3],

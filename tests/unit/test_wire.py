@@ -1,17 +1,31 @@
-"""wire: the field table, the header, and encode/decode of each stage's payload."""
+"""wire: the header, and encode/decode of each stage's payload (fields in full, views on decode)."""
 
 from __future__ import annotations
 
-import dataclasses
+import struct
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from megapack import FIELDS, PackedBatch, Stage
-from megapack.header import Header, Status
-from megapack.wire import OUTPUT_KEYS, Layout, decode, encode, encode_fields, normalize
+from megapack import BatchField, PackedBatch
+from megapack.core.fields import BUILTIN_FIELDS, OUTPUT_KEYS, Stage, schema_of
+from megapack.core.items import Batch, Layout, normalize
+from megapack.delivery.wire import (
+    MAGIC,
+    Header,
+    Status,
+    decode,
+    encode,
+    header_bytes,
+    signal,
+)
+from megapack.errors import ProtocolError
 
 CPU = torch.device("cpu")
+SCHEMA = schema_of()
 EXPECTED_FIELDS = {
     Stage.ONLY: {"tokens", "position_ids", "labels", "loss_mask", "cu_seqlens"},
     Stage.FIRST: {"tokens", "position_ids", "cu_seqlens"},
@@ -25,9 +39,16 @@ def sample() -> PackedBatch:
     return PackedBatch.from_documents([[5, 6, 7], [8, 9], [1, 2, 3, 4]])
 
 
-def test_table_gives_every_stage_the_attention_metadata() -> None:
-    by_name = {f.name: f.stages for f in FIELDS}
-    for name in ("cu_seqlens", "cu_seqlens_padded", "attention_mask", "dataset_id"):
+def roundtrip(item: object, stage: Stage, schema=SCHEMA) -> tuple[Header, torch.Tensor, dict]:  # type: ignore[no-untyped-def]
+    header, payload = encode(normalize(item, schema), schema, stage, CPU)
+    again = Header.from_bytes(header.to_bytes())  # what a peer parses
+    assert again == header
+    return header, payload, decode(again, payload, schema)
+
+
+def test_declarations_give_every_stage_the_attention_metadata() -> None:
+    by_name = {f.name: f.stage_set for f in BUILTIN_FIELDS}
+    for name in ("cu_seqlens", "cu_seqlens_padded", "attention_mask", "dataset_id", "max_seqlen"):
         assert by_name[name] == frozenset(Stage)
     assert by_name["tokens"] == by_name["position_ids"] == {Stage.ONLY, Stage.FIRST, Stage.MTP}
     assert by_name["labels"] == by_name["loss_mask"] == {Stage.ONLY, Stage.LAST, Stage.MTP}
@@ -35,82 +56,125 @@ def test_table_gives_every_stage_the_attention_metadata() -> None:
 
 @pytest.mark.parametrize("stage", list(Stage), ids=lambda s: s.value)
 def test_encode_decode_per_stage(stage: Stage) -> None:
-    batch = sample()
-    header, payload = encode(batch, stage, CPU)
+    item = sample()
+    header, payload, out = roundtrip(item, stage)
     assert payload.dtype == torch.uint8 and payload.numel() == header.nbytes
-    out = decode(Header.from_tensor(header.to_tensor(CPU)), payload)
-    assert tuple(out) == OUTPUT_KEYS
-    present = {
-        k
-        for k in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens")
-        if out[k] is not None
-    }
-    assert present == EXPECTED_FIELDS[stage]
-    for name in present:
-        assert torch.equal(out[name], getattr(batch, name)), name
-        assert out[name].dtype == getattr(batch, name).dtype
-    assert out["attention_mask"] is None and out["cu_seqlens_padded"] is None
+    assert set(out) == set(OUTPUT_KEYS)
+    got = {k for k, v in out.items() if isinstance(v, torch.Tensor)}
+    assert got == EXPECTED_FIELDS[stage]
+    for name in got:
+        assert (
+            torch.equal(out[name], getattr(item, name))
+            and out[name].dtype == getattr(item, name).dtype
+        )
     assert out["max_seqlen"] == 4 and type(out["max_seqlen"]) is int
     assert out["packed_seq_params"].cu_seqlens_q is out["cu_seqlens"]
 
 
-def test_payload_is_only_what_the_stage_needs() -> None:
-    batch = sample()  # T = 9 tokens, 4 boundaries
-    sizes = {stage: encode(batch, stage, CPU)[0].nbytes for stage in Stage}
-    cu = 16  # 4 x int32, already 8-byte aligned
-    assert sizes[Stage.MIDDLE] == cu
-    # lean: int32 tokens (36 -> 40 aligned), positions rebuilt from cu_seqlens
-    assert sizes[Stage.FIRST] == 40 + cu
-    # ONLY: the labels as the shifted tokens plus the 3 document ends (int32 positions, int64
-    # values); the loss mask (every token but each document's last) rebuilt from cu_seqlens
-    assert sizes[Stage.ONLY] == 40 + 16 + 24 + cu
-    # LAST would need the tokens as the label base: 40 + 16 + 24 > 72 bytes of labels, so not here
-    assert sizes[Stage.LAST] == 72 + cu
-    # an SFT mask (a prompt token not learned) is not the standard one: 2 bytes of bits (8 aligned)
-    sft = dataclasses.replace(
-        batch, loss_mask=batch.loss_mask.clone().index_fill_(1, torch.tensor([0]), 0.0)
+def test_payload_bytes_are_the_fields_in_schema_order_8_byte_aligned() -> None:
+    # The worked example (documents 3, 2, 4): 9 x int64 tokens, 9 x int64 position_ids,
+    # 9 x int64 labels, 9 x float32 loss_mask (+4 zero bytes), 4 x int32 cu_seqlens.
+    item = sample()
+    _, payload, _ = roundtrip(item, Stage.ONLY)
+    want = b"".join([
+        item.tokens.numpy().tobytes(), item.position_ids.numpy().tobytes(),
+        item.labels.numpy().tobytes(), item.loss_mask.numpy().tobytes(), bytes(4),
+        item.cu_seqlens.numpy().tobytes(),
+    ])  # fmt: skip
+    assert bytes(payload.numpy()) == want
+
+
+def test_decoded_tensors_are_views_of_the_payload_not_the_iterators_batch() -> None:
+    item = sample()
+    _, payload, out = roundtrip(item, Stage.ONLY)
+    for name in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens"):
+        assert np.shares_memory(out[name].numpy(), payload.numpy()), name
+        assert not np.shares_memory(out[name].numpy(), getattr(item, name).numpy()), name
+
+
+def test_header_layout_is_int64_slots_and_its_size_follows_the_schema() -> None:
+    assert header_bytes(SCHEMA) == 8 * (6 + 7 * 10) == 608
+    header, _, _ = roundtrip(sample(), Stage.FIRST)
+    slots = struct.unpack(f"={608 // 8}q", header.to_bytes())
+    assert slots[:6] == (MAGIC, 0, 1, int(Layout.PACKED), SCHEMA.key, header.nbytes)
+    tokens, labels, max_seqlen = slots[6:13], slots[6 + 14 : 6 + 21], slots[6 + 56 : 6 + 63]
+    assert tokens == (2, 1, 9, 0, 0, 0, 0)  # ndim 2, dims [1, 9]
+    assert labels[0] == -1  # the first stage does not get labels
+    assert max_seqlen[:2] == (0, 4)  # a scalar: ndim 0, then its value
+    wide = schema_of((BatchField("x", "sample", torch.float32, "all"),))
+    assert header_bytes(wide) == 608 + 56
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    status=st.sampled_from(list(Status)),
+    stage=st.sampled_from(list(Stage)),
+    dims=st.lists(
+        st.one_of(
+            st.none(),
+            st.integers(0, 2**40),
+            st.lists(st.integers(0, 2**31), min_size=1, max_size=6).map(tuple),
+        ),
+        min_size=10,
+        max_size=10,
+    ),
+)
+def test_header_roundtrips(status: Status, stage: Stage, dims: list) -> None:
+    h = Header(
+        status=status, stage=stage, layout=Layout.PLAIN, key=123, nbytes=99, dims=tuple(dims)
     )
-    assert encode(sft, Stage.ONLY, CPU)[0].nbytes == 40 + 16 + 24 + 8 + cu
-    full = {
-        stage: encode_fields(*normalize(batch), stage, CPU, lean=False)[0].nbytes for stage in Stage
-    }
-    assert full[Stage.FIRST] == 2 * 9 * 8 + cu  # protocol v3: every grid field in full
-    assert full[Stage.LAST] == 9 * 8 + 9 * 4 + 4 + cu  # float32 loss_mask padded to 8 bytes
+    assert Header.from_bytes(h.to_bytes()) == h
 
 
-def test_padded_cu_seqlens_travel() -> None:
-    batch = PackedBatch.from_documents([[5, 6, 7], [8, 9]], pad_to_multiple_of=4)
-    header, payload = encode(batch, Stage.MIDDLE, CPU)
-    out = decode(header, payload)
-    assert out["cu_seqlens"].tolist() == [0, 3, 5]
-    assert out["cu_seqlens_padded"].tolist() == [0, 4, 8]
-    assert out["packed_seq_params"].cu_seqlens_kv_padded is out["cu_seqlens_padded"]
+def test_regression_a_header_without_the_magic_number_is_refused() -> None:
+    raw = bytearray(signal(Status.OK, Stage.ONLY, SCHEMA).to_bytes())
+    with pytest.raises(ProtocolError, match="magic 0x0 != 0x4d500005"):
+        Header.from_bytes(bytes(len(raw)))  # zeros of the right size
+    raw[0] ^= 1
+    with pytest.raises(ProtocolError, match="magic"):
+        Header.from_bytes(bytes(raw))
+    with pytest.raises(ProtocolError, match="fits no schema"):
+        Header.from_bytes(bytes(raw[:100]))
 
 
-def test_plain_batch_passes_through_in_megatron_format() -> None:
-    b, s = 2, 5
-    plain = {
-        "tokens": torch.arange(10).reshape(b, s),
-        "labels": torch.arange(1, 11).reshape(b, s),
-        "loss_mask": torch.ones(b, s),
-        "position_ids": torch.arange(s).repeat(b, 1),
-        "attention_mask": torch.tril(torch.ones(s, s, dtype=torch.bool)).expand(b, 1, s, s),
-    }
-    header, payload = encode(plain, Stage.ONLY, CPU)
-    assert header.layout == Layout.PLAIN
-    out = decode(header, payload)
-    for k in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask"):
-        assert torch.equal(out[k], plain[k]), k
-    assert (
-        out["cu_seqlens"] is None and out["max_seqlen"] is None and out["packed_seq_params"] is None
+def test_a_header_with_an_unknown_status_is_refused() -> None:
+    raw = bytearray(signal(Status.OK, Stage.ONLY, SCHEMA).to_bytes())
+    raw[8:16] = (7).to_bytes(8, "little", signed=True)
+    with pytest.raises(ProtocolError, match="status 7"):
+        Header.from_bytes(bytes(raw))
+
+
+def test_plain_batch_and_middle_stage() -> None:
+    s = 4
+    item = {"tokens": torch.arange(8).reshape(2, s), "labels": torch.arange(8).reshape(2, s),
+            "loss_mask": torch.ones(2, s, dtype=torch.bool), "position_ids": torch.arange(s).repeat(2, 1),
+            "attention_mask": torch.ones(2, 1, s, s, dtype=torch.bool)}  # fmt: skip
+    _, _, out = roundtrip(item, Stage.LAST)
+    assert out["loss_mask"].dtype == torch.float32 and out["loss_mask"].tolist() == [[1.0] * 4] * 2
+    assert out["attention_mask"].shape == (2, 1, s, s) and out["packed_seq_params"] is None
+    assert out["tokens"] is None and out["max_seqlen"] is None
+    _, payload, middle = roundtrip(
+        {k: v for k, v in item.items() if k != "attention_mask"}, Stage.MIDDLE
     )
-    middle = decode(*encode({**plain, "attention_mask": None}, Stage.MIDDLE, CPU))
-    assert all(v is None for v in middle.values())
+    assert payload.numel() == 0 and all(v is None for v in middle.values())
 
 
-def test_header_rejects_out_of_step_peer() -> None:
-    garbage = torch.arange(16, dtype=torch.int64)
-    with pytest.raises(Exception, match="TP ranks are out of step"):
-        Header.from_tensor(garbage)
-    h = Header(status=Status.STOP, stage=Stage.LAST)
-    assert Header.from_tensor(h.to_tensor(CPU)) == h
+def test_declared_fields_roundtrip_bit_exact_in_their_dtypes() -> None:
+    fields = (BatchField("logp", "token", torch.bfloat16, "last"),
+              BatchField("weight", "sample", torch.float16, "all"),
+              BatchField("grid_thw", "ragged", torch.int32, "first"))  # fmt: skip
+    schema = schema_of(fields)
+    item = sample()
+    logp = torch.randn(1, 9).to(torch.bfloat16)
+    logp[0, 3] = float("nan")
+    values = dict(normalize(item, SCHEMA).values)
+    values |= {"logp": logp, "weight": torch.tensor([-0.0], dtype=torch.float16),
+               "grid_thw": torch.tensor([[1, 2, 2], [1, 4, 4]], dtype=torch.int32)}  # fmt: skip
+    header, payload = encode(Batch(Layout.PACKED, values), schema, Stage.ONLY, CPU)
+    out = decode(Header.from_bytes(header.to_bytes()), payload, schema)
+    assert out["logp"].dtype == torch.bfloat16
+    assert torch.equal(out["logp"].view(torch.int16), logp.view(torch.int16))  # NaN included
+    assert out["weight"].view(torch.int16).tolist() == [np.float16(-0.0).view(np.int16)]
+    assert out["grid_thw"].tolist() == [[1, 2, 2], [1, 4, 4]]
+    first = decode(*encode(Batch(Layout.PACKED, values), schema, Stage.FIRST, CPU), schema)
+    assert first["logp"] is None and first["grid_thw"] is not None and first["weight"] is not None

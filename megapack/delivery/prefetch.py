@@ -49,10 +49,10 @@ import torch
 import torch.distributed as dist
 
 from megapack import comm
+from megapack.delivery.get_batch import get_batch_on_this_tp_rank
 from megapack.errors import CollectiveError, ProtocolError
-from megapack.side_groups import control_group, registered_control_group, set_control_group
+from megapack.side_groups import control_group
 from megapack.topology import Topology
-from megapack.transfer import get_batch_on_this_tp_rank
 
 
 @dataclasses.dataclass(slots=True)
@@ -267,11 +267,7 @@ def _take_data_group(topo: Topology) -> _DataGroup:
         if not slot.in_use:
             slot.in_use = True
             return slot
-    ranks = list(topo.tp_ranks)
-    group = dist.new_group(ranks, use_local_synchronization=True)
-    if registered_control_group(topo.tp_group) is not None:  # forced split path: keep it
-        twin = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-        set_control_group(group, twin)
+    group = dist.new_group(list(topo.tp_ranks), use_local_synchronization=True)
     slot = _DataGroup(group=group, in_use=True)
     slots.append(slot)
     return slot

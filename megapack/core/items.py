@@ -1,0 +1,400 @@
+"""What a data iterator may yield, checked and turned into one value per declared field (`normalize`).
+
+Three forms are accepted, the same on every stage:
+
+    PackedBatch                      THD [1, T] as is (`megapack.core.batch`)
+    Megatron SFT-style dict          [b, s] rows with per-row ``cu_seqlens`` [b, k] (and optionally
+                                     ``cu_seqlens_padded``), merged into THD [1, b * s]
+    plain pretraining dict           [b, s] without ``cu_seqlens``, optional ``attention_mask``
+                                     [b, 1, s, s], kept as [b, s]
+
+This module is the one place that parses Megatron's dicts. Rows merge as Megatron's SFT datasets
+(and NeMo's) lay them out: each row's ``cu_seqlens`` starts at 0, ends at s, then holds -1 or
+repeats of s; the merged boundaries get row offsets and lose the sentinels. Example, s=4:
+``[[0, 3, 4, -1], [0, 4, 4, 4]]`` -> ``[0, 3, 4, 8]``. With ``cu_seqlens_padded`` [b, k'] the
+real lengths go back to back and the buffer offsets row by row (Transformer Engine's THD
+convention): s=8, padded ``[[0, 4, 8], [0, 8, 8]]`` and real ``[[0, 3, 5], [0, 6, 6]]`` ->
+``cu_seqlens_padded [0, 4, 8, 16]``, ``cu_seqlens [0, 3, 5, 11]``.
+
+Keys Megatron's datasets add travel too: ``dataset_id`` ([b], BlendedDataset's source of each
+sample), ``local_cp_size`` (hybrid context parallelism). NeMo's ``cu_seqlens_argmin`` is
+redundant with ``cu_seqlens`` and dropped. A trainer's own keys travel when declared
+(`megapack.core.fields.BatchField`); any other key is a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from megapack.core.batch import PackedBatch
+from megapack.core.fields import MASK_DTYPE, MAX_DIMS, TOKEN_DTYPE, BatchField, Schema
+
+GRID_NAMES = ("tokens", "labels", "loss_mask", "position_ids")
+PLAIN_KEYS = frozenset({*GRID_NAMES, "attention_mask", "dataset_id"})
+PACKED_KEYS = PLAIN_KEYS | {"cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size"}
+IGNORED_KEYS = frozenset({"cu_seqlens_argmin"})
+"""Accepted and dropped: NeMo's index of each row's first cu_seqlens sentinel, redundant with it."""
+
+
+class Layout(enum.IntEnum):
+    PACKED = 0  # THD [1, T] with cu_seqlens
+    PLAIN = 1  # Megatron pretraining [b, s], attention_mask optional
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One checked micro-batch: its layout and a value (tensor, Python int or None) per schema field."""
+
+    layout: Layout
+    values: dict[str, Any]
+
+
+def normalize(item: Any, schema: Schema, *, packed: bool | None = None) -> Batch:
+    """The `Batch` of one item from the data iterator, every field checked against ``schema``.
+
+    Args:
+        item: a `PackedBatch` or a Megatron dict (see the module docstring).
+        schema: the built-in fields and the trainer's declared ones (`schema_of`).
+        packed: True/False when the job's batches must all be packed/plain (else either).
+
+    Raises:
+        TypeError: not a PackedBatch or a dict, or a field of the wrong type or dtype.
+        ValueError: an undeclared or missing key (named), a dense attention_mask on a packed
+            dict, or a field whose shape or values break the contract, naming field, row, value.
+    """
+    if isinstance(item, PackedBatch):
+        batch = _from_packed_batch(item, schema)
+    elif isinstance(item, Mapping):
+        batch = _from_dict(item, schema)
+    else:
+        raise TypeError(
+            f"data_iterator yielded {type(item).__name__}; expected a megapack.PackedBatch or a dict "
+            "of tensors (Megatron SFT-style with cu_seqlens, or a plain pretraining batch)"
+        )
+    if packed is not None and (batch.layout == Layout.PACKED) != packed:
+        raise ValueError(
+            f"get_batch_on_this_tp_rank(packed={packed}) but the batch "
+            + ("has cu_seqlens" if batch.layout == Layout.PACKED else "has no cu_seqlens")
+            + ": pass packed= matching the data (Megatron: --sft or inter-document masking)"
+        )
+    return batch
+
+
+def _from_packed_batch(item: PackedBatch, schema: Schema) -> Batch:
+    b = item.validate()
+    values: dict[str, Any] = dict.fromkeys(schema.names)
+    values |= {name: getattr(b, name) for name in GRID_NAMES}
+    values |= {"cu_seqlens": b.cu_seqlens, "cu_seqlens_padded": b.cu_seqlens_padded,
+               "max_seqlen": b.max_seqlen}  # fmt: skip
+    extras = dict(b.extras)
+    for field in schema.declared:
+        if field.name not in extras:
+            raise ValueError(
+                f"PackedBatch.extras has no {field.name!r}, declared in fields= (extras: "
+                f"{sorted(extras)})"
+            )
+        values[field.name] = _declared(extras.pop(field.name), field, (1, b.num_tokens),
+                                       where="PackedBatch.extras")  # fmt: skip
+    if extras:
+        raise ValueError(
+            f"PackedBatch.extras has undeclared keys {sorted(extras)}: declare each with "
+            "fields=(megapack.BatchField(name, per, dtype, stages), ...) or drop it"
+        )
+    return Batch(Layout.PACKED, values)
+
+
+def _from_dict(item: Mapping[str, Any], schema: Schema) -> Batch:
+    is_packed = item.get("cu_seqlens") is not None
+    allowed = PACKED_KEYS if is_packed else PLAIN_KEYS
+    declared = {f.name: f for f in schema.declared}
+    unknown = sorted(set(item) - allowed - IGNORED_KEYS - set(declared))
+    if unknown:
+        hint = (
+            "; cu_seqlens_padded and local_cp_size need cu_seqlens (a packed batch)"
+            if set(unknown) & PACKED_KEYS
+            else ""
+        )
+        raise ValueError(
+            f"batch has undeclared keys {unknown}; megapack transfers {sorted(allowed)} and the "
+            f"fields= declarations ({sorted(declared) or 'none'}): declare a trainer's own field "
+            f"with fields=(megapack.BatchField({unknown[0]!r}, per, dtype, stages), ...) or drop "
+            f"it{hint}"
+        )
+    tokens = grid_tensor(item, "tokens")
+    rows, cols = (int(n) for n in tokens.shape)
+    values: dict[str, Any] = dict.fromkeys(schema.names)
+    values["dataset_id"] = _dataset_id(item.get("dataset_id"), rows)
+    for name, field in declared.items():
+        if item.get(name) is None:
+            raise ValueError(
+                f"batch is missing {name!r}, declared in fields= (got keys {sorted(item)})"
+            )
+        value = _declared(item[name], field, (rows, cols), where="batch")
+        values[name] = value.reshape(1, -1) if is_packed and field.per == "token" else value
+    if not is_packed:
+        for name in GRID_NAMES:
+            values[name] = grid_tensor(item, name, (rows, cols))
+        values["attention_mask"] = _attention_mask(item.get("attention_mask"), cols)
+        return Batch(Layout.PLAIN, values)
+    if item.get("attention_mask") is not None:
+        raise ValueError(
+            "batch has both cu_seqlens and a dense attention_mask: packed batches mask by "
+            "document from cu_seqlens, so the mask would be dropped; turn off "
+            "create_attention_mask_in_dataloader (--no-create-attention-mask-in-dataloader) "
+            "or drop 'attention_mask' from the batch"
+        )
+    merged = merge_rows(item)
+    values |= {name: getattr(merged, name) for name in (*GRID_NAMES, "cu_seqlens",
+               "cu_seqlens_padded", "max_seqlen")}  # fmt: skip
+    values["local_cp_size"] = _local_cp_size(item.get("local_cp_size"))
+    return Batch(Layout.PACKED, values)
+
+
+def merge_rows(batch: Mapping[str, Any]) -> PackedBatch:
+    """A Megatron SFT-style packed batch of b rows of s tokens as one validated THD PackedBatch.
+
+    ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` are [b, s]; ``cu_seqlens`` [b, k]
+    ([k] when b == 1), optional ``cu_seqlens_padded`` [b, k'] and ``max_seqlen`` (at least the
+    longest document); other keys are not read here. See the module docstring for the merge.
+    """
+    tokens = grid_tensor(batch, "tokens")
+    rows, cols = (int(n) for n in tokens.shape)
+    grid = {name: grid_tensor(batch, name, (rows, cols)) for name in GRID_NAMES}
+    cu_rows = _cu_rows(batch, "cu_seqlens", rows)
+    padded_rows = None
+    if batch.get("cu_seqlens_padded") is not None:
+        padded_rows = _cu_rows(batch, "cu_seqlens_padded", rows)
+    merged, merged_padded = [0], [0]
+    for row in range(rows):
+        if padded_rows is None:
+            bounds = _row_boundaries(cu_rows[row], cols, row)
+            merged.extend(int(v) + row * cols for v in bounds[1:])
+            continue
+        padded = _row_boundaries(padded_rows[row], cols, row, name="cu_seqlens_padded")
+        real = _real_boundaries(cu_rows[row], len(padded), row)
+        offset = merged[-1]
+        merged.extend(int(v) + offset for v in real[1:])
+        merged_padded.extend(int(v) + row * cols for v in padded[1:])
+    cu = np.asarray(merged, dtype=np.int64)
+    buffer = cu if padded_rows is None else np.asarray(merged_padded, dtype=np.int64)
+    longest = int(np.diff(cu).max())
+    max_seqlen = int(np.diff(buffer).max())  # the longest buffer segment, padding included
+    if batch.get("max_seqlen") is not None:
+        given = batch["max_seqlen"]
+        given_max = int(given.max().item() if isinstance(given, torch.Tensor) else np.max(given))
+        if given_max < longest:
+            raise ValueError(
+                f"max_seqlen={given_max} is below the longest document ({longest} tokens)"
+            )
+        max_seqlen = max(max_seqlen, given_max)
+    device = grid["tokens"].device
+    flat = {k: v.reshape(1, rows * cols) for k, v in grid.items()}
+    return PackedBatch(
+        tokens=flat["tokens"].to(TOKEN_DTYPE),
+        labels=flat["labels"].to(TOKEN_DTYPE),
+        loss_mask=flat["loss_mask"].to(MASK_DTYPE),
+        position_ids=flat["position_ids"].to(TOKEN_DTYPE),
+        cu_seqlens=torch.from_numpy(cu.astype(np.int32)).to(device),
+        cu_seqlens_padded=None
+        if padded_rows is None
+        else torch.from_numpy(buffer.astype(np.int32)).to(device),
+        max_seqlen=max_seqlen,
+    ).validate()
+
+
+def grid_tensor(
+    batch: Mapping[str, Any], name: str, shape: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """``batch[name]`` as a [b, s] tensor, checked against ``shape`` (default: ``batch['tokens']``'s)."""
+    if name not in batch or batch[name] is None:
+        raise ValueError(f"batch is missing {name!r} (got keys {sorted(batch)})")
+    value = batch[name]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"batch[{name!r}] must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != 2:
+        raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)}; expected [b, s]")
+    if name == "loss_mask":
+        if value.dtype.is_complex:
+            raise TypeError(
+                f"batch['loss_mask'] has dtype {value.dtype}; expected a real or bool mask"
+            )
+    elif value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise TypeError(
+            f"batch[{name!r}] has dtype {value.dtype}; expected integer token ids/positions"
+        )
+    if shape is not None and tuple(value.shape) != shape:
+        raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)} but tokens has {shape}")
+    return value
+
+
+def _declared(value: Any, field: BatchField, grid: tuple[int, int], *, where: str) -> torch.Tensor:
+    """A trainer's declared field checked against its declaration; ragged lists concatenated."""
+    name = f"{where}[{field.name!r}]"
+    if field.per == "ragged" and isinstance(value, list | tuple):
+        value = _ragged(value, field, grid[0], name)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype != field.dtype:
+        raise TypeError(
+            f"{name} has dtype {value.dtype} but fields= declares {field.dtype} (values travel "
+            f"bit-exact, never converted: pass {field.dtype})"
+        )
+    if value.dim() > MAX_DIMS:
+        raise ValueError(f"{name} has {value.dim()} dimensions; at most {MAX_DIMS} travel")
+    if field.per == "token" and tuple(value.shape) != grid:
+        raise ValueError(
+            f"{name} has shape {tuple(value.shape)} but tokens has {grid}: a per-token field "
+            "has the tokens' shape"
+        )
+    if field.per == "sample" and (value.dim() == 0 or value.shape[0] != grid[0]):
+        raise ValueError(
+            f"{name} has shape {tuple(value.shape)}; a per-sample field is [b, ...] with "
+            f"b={grid[0]} like tokens' rows"
+        )
+    if field.per == "ragged" and value.dim() == 0:
+        raise ValueError(f"{name} is a scalar; a ragged field is [sum n_i, ...]")
+    return value
+
+
+def _ragged(parts: Any, field: BatchField, samples: int, name: str) -> torch.Tensor:
+    """b tensors [n_i, ...] (n_i may be 0) as one [sum n_i, ...] tensor, in sample order."""
+    if len(parts) != samples:
+        raise ValueError(
+            f"{name} is a list of {len(parts)} tensors; a ragged field has one per sample "
+            f"(b={samples})"
+        )
+    for i, p in enumerate(parts):
+        if not isinstance(p, torch.Tensor) or p.dim() == 0:
+            got = type(p).__name__ if not isinstance(p, torch.Tensor) else "a 0-d tensor"
+            raise TypeError(f"{name}[{i}] must be a tensor [n_i, ...], got {got}")
+        if p.shape[1:] != parts[0].shape[1:]:
+            raise ValueError(
+                f"{name}[{i}] has trailing dims {tuple(p.shape[1:])} but {name}[0] has "
+                f"{tuple(parts[0].shape[1:])}: every sample's [n_i, ...] must agree after n_i"
+            )
+        if p.dtype != field.dtype:
+            raise TypeError(f"{name}[{i}] has dtype {p.dtype} but fields= declares {field.dtype}")
+    return torch.cat(list(parts)) if parts else torch.empty(0, dtype=field.dtype)
+
+
+def _attention_mask(mask: Any, cols: int) -> torch.Tensor | None:
+    is_mask = isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == cols
+    if mask is not None and not is_mask:
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(
+            f"batch['attention_mask'] is {got}; expected a [b, 1, s, s] tensor with s={cols}"
+        )
+    return mask
+
+
+def _dataset_id(value: Any, samples: int) -> torch.Tensor | None:
+    """``dataset_id`` as [b] (also accepted: [b, 1], as collated from [1]-shaped items)."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"batch['dataset_id'] must be a tensor of integers (one per sample), got {type(value).__name__}"
+        )
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise TypeError(f"batch['dataset_id'] has dtype {value.dtype}; expected integers")
+    flat = value.reshape(-1) if value.dim() == 2 and value.shape[1] == 1 else value
+    if flat.dim() != 1 or flat.shape[0] != samples:
+        raise ValueError(
+            f"batch['dataset_id'] has shape {tuple(value.shape)}; expected [{samples}], one per sample "
+            "like tokens' rows"
+        )
+    return flat
+
+
+def _local_cp_size(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise ValueError(
+                f"batch['local_cp_size'] must be one integer, got a {value.dtype} tensor of shape "
+                f"{tuple(value.shape)}"
+            )
+        value = int(value.item())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"batch['local_cp_size'] must be an int >= 1, got {value!r}")
+    return value
+
+
+def _cu_rows(batch: Mapping[str, Any], name: str, b: int) -> np.ndarray:
+    """``batch[name]`` as a [b, k] integer array ([k] is accepted for b == 1)."""
+    raw = batch[name]
+    rows = np.asarray(raw.detach().cpu() if isinstance(raw, torch.Tensor) else raw)
+    if rows.ndim == 1 and b == 1:
+        rows = rows[None]
+    if rows.ndim != 2 or rows.shape[0] != b:
+        raise ValueError(
+            f"{name} has shape {tuple(rows.shape)}; expected [b, k] with b={b} rows like tokens"
+        )
+    if not np.issubdtype(rows.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {rows.dtype}")
+    return rows
+
+
+def _real_boundaries(values: np.ndarray, count: int, row: int) -> np.ndarray:
+    """A row's real-length boundaries next to padded ones: the first ``count`` entries, then sentinels.
+
+    Example: padded ``[0, 4, 8]`` (s=8) with real ``[0, 3, 5, -1]`` -> ``[0, 3, 5]``.
+    """
+    bounds, tail = values[:count], values[count:]
+    if len(bounds) < count or bounds[0] != 0 or (np.diff(bounds) <= 0).any():
+        raise ValueError(
+            f"cu_seqlens row {row} must start at 0 and rise strictly over the {count} boundaries of "
+            f"cu_seqlens_padded row {row}, got {values.tolist()}"
+        )
+    bad = tail[(tail != -1) & (tail != bounds[-1])]
+    if len(bad):
+        raise ValueError(
+            f"cu_seqlens row {row} has {int(bad[0])} after its {count} boundaries (the count of "
+            f"cu_seqlens_padded row {row}); only -1 or repeats of {int(bounds[-1])} may follow"
+        )
+    return bounds
+
+
+def _row_boundaries(values: np.ndarray, s: int, row: int, name: str = "cu_seqlens") -> np.ndarray:
+    """One row's boundaries up to the first ``s``; the rest must be sentinels (-1 or s)."""
+    if len(values) < 2 or values[0] != 0:
+        raise ValueError(
+            f"{name} row {row} must start with 0 and hold >= 2 boundaries, got {values.tolist()}"
+        )
+    past = values[values > s]
+    if len(past):
+        raise ValueError(
+            f"{name} row {row} has boundary {int(past[0])} past the sequence length s={s} "
+            f"(row {values.tolist()})"
+        )
+    hits = np.flatnonzero(values == s)
+    if len(hits) == 0:
+        real = values[values >= 0]
+        raise ValueError(
+            f"{name} row {row} never reaches the sequence length s={s} (last boundary "
+            f"{int(real.max())}; row {values.tolist()}); boundaries must cover the whole row, "
+            "padding included"
+        )
+    end = int(hits[0])
+    bounds, tail = values[: end + 1], values[end + 1 :]
+    bad_tail = tail[(tail != -1) & (tail != s)]
+    if len(bad_tail):
+        raise ValueError(
+            f"{name} row {row} has {int(bad_tail[0])} after reaching s={s}; after the last "
+            "boundary only -1 or repeats of s may follow"
+        )
+    step = np.diff(bounds)
+    if (step <= 0).any():
+        i = int(np.flatnonzero(step <= 0)[0])
+        raise ValueError(
+            f"{name} row {row} is not strictly increasing: {int(bounds[i + 1])} follows "
+            f"{int(bounds[i])} at index {i + 1} (row {values.tolist()})"
+        )
+    return bounds

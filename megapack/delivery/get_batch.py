@@ -1,0 +1,226 @@
+"""`get_batch_on_this_tp_rank`: one micro-batch from the TP source to its peers, in one direction.
+
+The whole delivery, orchestrated here and nowhere else:
+
+    source: item -> normalize (`megapack.core.items`) -> CP share (`megapack.core.cp.take_share`)
+            -> encode (`megapack.delivery.wire`) -> transport send (`megapack.delivery.transport`)
+    peers:  transport receive -> decode (`megapack.delivery.wire`)
+
+Each step is one module and none calls back up. Every rank's outputs, the source's included, are
+views of the same frame's payload (a copy: nothing aliases the data iterator's batch), so every
+TP rank returns identical values, shapes, dtypes and None-ness.
+
+A failure on the source while fetching or checking is sent in place of a batch: the source
+re-raises its own error and every peer raises `RemoteDataError` within one transfer's latency;
+the next call delivers the next batch. A data iterator that ends stops every TP rank in the same
+call. Megapack's collectives and links wait at most the megapack timeout (`megapack.comm`) and
+then raise `CollectiveError` naming the ranks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megapack.core.cp import CP_LAYOUTS, CpLayout, take_share
+from megapack.core.fields import BatchField, Schema, Stage, schema_of
+from megapack.core.items import Batch, Layout, normalize
+from megapack.delivery.transport import Transport, transport_for
+from megapack.delivery.wire import Header, Status, decode, encode, header_bytes, signal
+from megapack.errors import ProtocolError, RemoteDataError
+from megapack.side_groups import control_group
+from megapack.sync import check_in_sync, debug_sync_enabled
+from megapack.topology import Topology
+
+__all__ = ["get_batch_on_this_tp_rank"]
+
+# Calls so far per TP group, the step $MEGAPACK_DEBUG_SYNC's check compares (same on all ranks).
+_calls: weakref.WeakKeyDictionary[dist.ProcessGroup, list[int]] = weakref.WeakKeyDictionary()
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _SourceOptions:
+    """How the TP source turns an item into what it sends (see get_batch_on_this_tp_rank's Args)."""
+
+    cp_layout: CpLayout
+    sequence_parallel: bool
+    packed: bool | None
+
+
+def get_batch_on_this_tp_rank(
+    data_iterator: Iterator[Any] | None,
+    *,
+    topology: Topology | None = None,
+    timeout: float | None = None,
+    cp_layout: CpLayout | None = None,
+    sequence_parallel: bool = False,
+    packed: bool | None = None,
+    fields: Sequence[BatchField] = (),
+) -> dict[str, Any]:
+    """Drop-in for Megatron's ``get_batch_on_this_tp_rank``, correct on every pipeline stage.
+
+    Call it on every rank of a TP group once per micro-step. Only the TP source (TP rank 0) calls
+    ``next(data_iterator)``; other ranks may pass None and their iterator is never touched.
+    Megatron builds no dataset on middle pipeline stages for plain pretraining: a middle stage
+    whose source passes None returns the all-None batch on every TP rank. Packed batches need
+    ``cu_seqlens`` there too; with ``packed=True`` a middle source without an iterator is an error
+    saying how to build one (Megatron's ``is_dataset_built_on_rank``).
+
+    The source accepts a `PackedBatch`, a Megatron SFT-style dict with ``cu_seqlens`` [b, k]
+    (rows merged into THD [1, b*s]), or a plain pretraining dict without ``cu_seqlens`` (kept as
+    [b, s], with its optional ``attention_mask``).
+
+    With context parallelism (``topology.cp_size > 1``) every CP rank's TP source reads the same
+    full row and sends only its zigzag share of the per-token fields (`megapack.core.cp`):
+    tokens, labels, loss_mask and position_ids hold T / cp positions (plain batches: s / cp per
+    row, ``attention_mask`` [b, 1, s / cp, s]); ``cu_seqlens``, ``cu_seqlens_padded`` and
+    ``max_seqlen`` stay the whole row's, and ``packed_seq_params.cp_group`` is the CP group.
+
+    Args:
+        data_iterator: the source's iterator; ignored on the other TP ranks.
+        topology: this rank's place in the grid; default: from megatron-core's ``parallel_state``.
+        timeout: seconds a peer waits for the source (default: $MEGAPACK_TIMEOUT_S or 300).
+        cp_layout: "document" or "row", how packed rows are split over CP ranks; default:
+            ``topology.cp_layout``. Every CP rank must pass the same.
+        sequence_parallel: True when the model uses sequence parallelism, so each CP rank's
+            token count must also divide by tp (checked, with the padding that fixes it).
+        packed: whether batches carry ``cu_seqlens`` (Megatron's ``has_cu_seqlens``: ``--sft`` or
+            inter-document masking). None: each batch says. True/False: a batch of the other
+            kind is an error, and a middle stage's source without an iterator is an error (True)
+            or returns the all-None batch (False or None).
+        fields: a trainer's own fields (`megapack.BatchField`: RL advantages and log-probs,
+            images), the same on every TP rank; each arrives under its name, bit-exact.
+
+    Returns:
+        A dict with exactly the keys `megapack.core.fields.OUTPUT_KEYS` (``tokens``,
+        ``position_ids``, ``labels``, ``loss_mask``, ``attention_mask``, ``cu_seqlens``,
+        ``cu_seqlens_padded``, ``dataset_id``, ``max_seqlen``, ``local_cp_size``,
+        ``packed_seq_params``) and the declared names; a field this stage does not get is None.
+        Packed batches give ``cu_seqlens`` 1-D int32, ``max_seqlen`` a Python int and
+        ``attention_mask`` None, on every stage.
+
+    Raises:
+        StopIteration: on every TP rank, in the same call, when the source's iterator is exhausted.
+        RemoteDataError: on TP ranks other than the source when the source failed; the source
+            raises its own error (e.g. ValueError naming the bad field, row and value).
+        CollectiveError: when a TP peer is stuck past the timeout or has crashed.
+    """
+    if cp_layout is not None and cp_layout not in CP_LAYOUTS:
+        raise ValueError(f"cp_layout must be one of {CP_LAYOUTS} or None, got {cp_layout!r}")
+    if packed is not None and not isinstance(packed, bool):
+        raise TypeError(f"packed must be True, False or None, got {packed!r}")
+    schema = schema_of(fields)
+    topo = topology if topology is not None else Topology.from_parallel_state()
+    if topo.tp_group is not None and debug_sync_enabled():
+        calls = _calls.setdefault(topo.tp_group, [0])
+        check_in_sync("megapack.get_batch_on_this_tp_rank", calls[0],
+                      group=control_group(topo.tp_group), timeout=timeout)  # fmt: skip
+        calls[0] += 1
+    transport = transport_for(topo, schema, timeout)
+    if topo.is_source:
+        options = _SourceOptions(
+            cp_layout=topo.cp_layout if cp_layout is None else cp_layout,
+            sequence_parallel=sequence_parallel,
+            packed=packed,
+        )
+        return _send(data_iterator, topo, schema, transport, timeout, options)
+    return _receive(topo, schema, transport, timeout)
+
+
+def _send(
+    data_iterator: Iterator[Any] | None,
+    topo: Topology,
+    schema: Schema,
+    transport: Transport,
+    timeout: float | None,
+    options: _SourceOptions,
+) -> dict[str, Any]:
+    error: Exception | None = None
+    payload = _EMPTY
+    try:
+        if data_iterator is None:
+            header = _without_iterator(topo, schema, options)
+        else:
+            batch = normalize(next(data_iterator), schema, packed=options.packed)
+            _check_hybrid_cp(batch, topo)
+            values = take_share(
+                batch.values, schema.by_stage[topo.stage], packed=batch.layout == Layout.PACKED,
+                cp_size=topo.cp_size, cp_rank=topo.cp_rank, layout=options.cp_layout,
+                tp_size=topo.tp_size, sequence_parallel=options.sequence_parallel,
+            )  # fmt: skip
+            header, payload = encode(Batch(batch.layout, values), schema, topo.stage, topo.device)
+    except StopIteration:
+        header = signal(Status.STOP, topo.stage, schema)
+    except Exception as exc:
+        payload = torch.frombuffer(bytearray(f"{type(exc).__name__}: {exc}".encode()),
+                                   dtype=torch.uint8)  # fmt: skip
+        header, error = signal(Status.ERROR, topo.stage, schema, payload.numel()), exc
+    transport.send(header, payload, timeout)
+    if header.status == Status.STOP:
+        raise StopIteration
+    if error is not None:
+        raise error
+    return decode(header, payload, schema, cp_group=topo.cp_group)
+
+
+def _receive(
+    topo: Topology, schema: Schema, transport: Transport, timeout: float | None
+) -> dict[str, Any]:
+    header, payload = transport.receive(header_bytes(schema), timeout)
+    _check(header, payload, topo, schema)
+    return decode(header, payload, schema, cp_group=topo.cp_group)
+
+
+def _check(header: Header, payload: torch.Tensor, topo: Topology, schema: Schema) -> None:
+    """A peer's verdict on a header: StopIteration, the source's error, or a mismatch."""
+    if header.status == Status.STOP:
+        raise StopIteration
+    if header.status == Status.ERROR:
+        raise RemoteDataError(topo.src_rank, bytes(payload.numpy()).decode(errors="replace"))
+    if header.key != schema.key:
+        raise ProtocolError(
+            f"TP source rank {topo.src_rank} sent a batch of other fields= than this rank "
+            "declared: every TP rank must pass the same fields"
+        )
+    if header.stage != topo.stage:
+        raise ProtocolError(
+            f"TP source rank {topo.src_rank} serves pipeline stage {header.stage.value!r} but this "
+            f"rank is on stage {topo.stage.value!r}: TP peers must share a pipeline stage (check "
+            "the Topology)"
+        )
+
+
+def _without_iterator(topo: Topology, schema: Schema, options: _SourceOptions) -> Header:
+    """A middle stage of plain pretraining has no dataset: the all-None batch. Anything else is an error."""
+    if topo.stage == Stage.MIDDLE and not options.packed:
+        return Header(status=Status.OK, stage=topo.stage, layout=Layout.PLAIN, key=schema.key,
+                      dims=(None,) * len(schema.fields))  # fmt: skip
+    if topo.stage == Stage.MIDDLE:
+        raise ValueError(
+            f"data_iterator is None on TP source rank {topo.src_rank} of a middle pipeline stage "
+            f"(pp_rank {topo.pp_rank}), but packed batches need cu_seqlens on every stage: build "
+            "the dataset on TP rank 0 of every pipeline stage (Megatron: is_dataset_built_on_rank "
+            "must return True there, e.g. is_dataset_built_on_rank(vp_stage, "
+            "is_packed_sequence=True)) and pass its iterator"
+        )
+    raise ValueError(
+        f"data_iterator is None on TP source rank {topo.src_rank} (pipeline stage "
+        f"{topo.stage.value!r}, pp_rank {topo.pp_rank}); this stage's TP rank 0 must get an iterator"
+    )
+
+
+def _check_hybrid_cp(batch: Batch, topo: Topology) -> None:
+    hybrid = batch.values.get("local_cp_size")
+    if hybrid is not None and hybrid != topo.cp_size:
+        raise ValueError(
+            f"batch has local_cp_size={hybrid} but this rank's CP group has {topo.cp_size} ranks "
+            f"({topo.cp_ranks or 'no CP group'}): for Megatron's hybrid CP build the Topology with "
+            f"this batch's group, Topology.from_groups(tp_group, cp_group=<the {hybrid}-rank "
+            "hybrid CP group>, ...)"
+        )
