@@ -181,12 +181,83 @@ def test_long_document_error_names_index_and_length() -> None:
         ({"seed": True}, TypeError, "seed must be an int"),
         ({"seed": -1}, ValueError, "seed must be an int >= 0, got -1"),
         ({"time_limit_s": True}, ValueError, "time_limit_s"),
+        ({"time_limit_s": float("inf")}, ValueError, "time_limit_s must be None or a finite"),
+        ({"time_limit_s": float("nan")}, ValueError, "time_limit_s must be None or a finite"),
+        ({"max_search_steps": -1}, ValueError, "^max_search_steps must be an int >= 0, got -1$"),
     ],
 )
 def test_argument_errors(kwargs: dict, error: type, match: str) -> None:
     args = {"lengths": [3, 2], "capacity": 5, **kwargs}
     with pytest.raises(error, match=match):
         plan(args.pop("lengths"), args.pop("capacity"), **args)
+
+
+def test_lengths_are_checked_and_converted_to_int64() -> None:
+    """`as_lengths`: any integer array (object arrays of ints too) becomes int64; anything else
+    is a TypeError naming the dtype and the fix; `make_items` names a bad policy itself."""
+    from megapack.packing.items import as_lengths, make_items
+
+    for given_lengths in ([], np.array([3, 2], dtype=np.uint8), np.array([3, 2], dtype=object)):
+        out = as_lengths(given_lengths)
+        assert out.dtype == np.int64 and out.tolist() == list(given_lengths)
+    hint = r"; convert with np\.asarray\(lengths, dtype=np\.int64\) after rounding$"
+    for bad, dtype in (([1.5, 2.0], "float64"), ([True, False], "bool"), (["3"], "<U1")):
+        with pytest.raises(
+            TypeError,
+            match=rf"^lengths must hold integers \(token counts\), got dtype {dtype}{hint}",
+        ):
+            as_lengths(bad)
+    for bad in ([3, True], [3, "3"], [3, 2.0]):  # mixed objects: every one must be an integer
+        with pytest.raises(TypeError, match=rf"^sizes must hold .* got dtype object{hint}"):
+            as_lengths(np.array(bad, dtype=object), name="sizes")
+    with pytest.raises(
+        ValueError,
+        match=r"^long_docs must be one of \('split', 'truncate', 'drop', 'error'\), got 'fold'$",
+    ):
+        make_items(np.array([3]), 5, "fold")
+    with pytest.raises(
+        ValueError,
+        match=r"^document 7 of the stream has 9 tokens, more than capacity=5 \(1 document\(s\) are too long\); use long_docs='split', 'truncate' or 'drop' \(megapack pack: --long-docs split\)$",
+    ):
+        make_items(np.array([3, 9]), 5, "error", first=6, where=" of the stream")
+
+
+def test_plan_defaults_and_seeds_reach_the_search_and_the_shuffle() -> None:
+    """The seed picks the "best" search's path and the rows' shuffle (the seeded permutation a
+    data loader deals, `order_rows`); the defaults are seed 0 and one rank, one micro-batch."""
+    from megapack.packing import CostModel
+
+    lengths = [18, 17, 20, 32, 33, 25, 28, 38, 25, 15, 4, 22, 10, 24, 2, 34, 37, 6, 32, 16, 2,
+               36, 37, 2, 24, 33, 31, 17, 34, 33]  # fmt: skip
+    best = [plan(lengths, 64, algorithm="best", seed=s, **FAST).bins for s in (0, 1, 1)]
+    assert best[0] != best[1] == best[2]  # the seed matters, and the same seed repeats
+    assert plan(lengths, 64, algorithm="best", **FAST).bins == best[0]
+    plain = plan(lengths, 64)
+    for seed in (0, 5):
+        perm = np.random.default_rng(seed).permutation(plain.num_bins).tolist()
+        shuffled = plan(lengths, 64, balance="token", seed=seed)
+        assert shuffled.bins == [plain.bins[i] for i in perm]
+    assert plan(lengths, 64, balance="token").bins == [plain.bins[i] for i in
+        np.random.default_rng(0).permutation(plain.num_bins).tolist()]  # fmt: skip
+    squares = CostModel(a=0, b=1)
+    many = (np.random.default_rng(1).lognormal(3, 1, 300).astype(int) + 1).tolist()
+    one_rank = plan(many, 64, balance="compute", cost=squares, seed=0, dp_size=1, micro_batches=1)
+    assert plan(many, 64, balance="compute", cost=squares).bins == one_rank.bins
+    assert plan(many, 64, balance="compute", cost=squares, seed=2).bins != one_rank.bins
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=60),
+    capacity=st.integers(8, 30),
+    algorithm=st.sampled_from(ALGORITHMS),
+)
+def test_slices_within_a_bin_are_in_document_order(
+    lengths: list[int], capacity: int, algorithm: str
+) -> None:
+    p = plan(lengths, capacity, algorithm=algorithm, **FAST)
+    for b in p.bins:
+        assert b == sorted(b)  # by document, then by start (pieces of a split document)
 
 
 def test_empty_input_and_numpy_input() -> None:
@@ -270,6 +341,44 @@ def test_bfd_matches_reference_on_many_sizes() -> None:
     ref = reference_loads(lengths.tolist(), 1024, "best", decreasing=True)
     assert sorted(plan(lengths, 1024).bin_loads.tolist()) == sorted(ref)
     assert ref.count(1024) > 10  # ties between full and nearly full bins were exercised
+
+
+def test_bfd_fills_part_of_a_bucket_then_one_bin_with_the_rest() -> None:
+    """Sizes [7, 7, 7, 1, 1, 1, 1], capacity 10: the 7s open bins 0-2 (3 free each); best fit
+    then sends three 1s to bin 0 (the fullest bin that holds one, each time) and the fourth to
+    bin 1: two bins of the 3-free bucket are taken, the first whole, the second in part."""
+    from megapack.packing.bfd import best_fit_decreasing
+
+    bins = best_fit_decreasing(np.array([7, 7, 7, 1, 1, 1, 1]), 10)
+    assert bins.tolist() == [0, 1, 2, 0, 0, 0, 1]
+    # the 6s open bins 0 and 1 (2 free); the three 1s: two to bin 0, one to bin 1
+    assert best_fit_decreasing(np.array([1, 6, 1, 6, 1]), 8).tolist() == [0, 0, 0, 1, 1]
+    assert sorted(plan([7, 7, 7, 1, 1, 1, 1], 10).bin_loads.tolist()) == [7, 8, 10]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([1, 2, 3, 5, 8]), min_size=1, max_size=120),
+    capacity=st.sampled_from([8, 9, 10, 16]),
+    algorithm=st.sampled_from(["bfd", "ffd"]),
+)
+def test_greedy_decreasing_places_equal_sizes_in_input_order(
+    sizes: list[int], capacity: int, algorithm: str
+) -> None:
+    """The decreasing algorithms sort stably: an item's bin depends on its size and its place
+    among items of that size, never on how a sort routine orders ties (numpy's default sort
+    differs between CPUs, so ranks planning on different machines could disagree)."""
+    from megapack.packing.bfd import best_fit_decreasing
+    from megapack.packing.fit import first_fit_decreasing
+
+    pack = best_fit_decreasing if algorithm == "bfd" else first_fit_decreasing
+    array = np.array(sizes, dtype=np.int64)
+    rank = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))  # largest first, ties in order
+    presorted = pack(array[rank], capacity)  # its own sort has nothing to reorder
+    assert pack(array, capacity)[rank].tolist() == presorted.tolist()
+    loads = np.bincount(presorted, weights=array[rank]).tolist()
+    rule = "best" if algorithm == "bfd" else "first"
+    assert sorted(loads) == sorted(reference_loads(sizes, capacity, rule, decreasing=True))
 
 
 # -- real data and docs ----------------------------------------------------------------------------

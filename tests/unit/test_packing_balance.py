@@ -260,3 +260,49 @@ def test_balance_compare_plans_reports_both() -> None:
     assert r["efficiency_token_plan"] == r["efficiency_compute_plan"]
     assert r["efficiency_token_plan"] == pytest.approx(rows.packed_tokens / (padded * 512))
     assert doctest.testmod(importlib.import_module("megapack.packing.compare")).failed == 0
+
+
+def test_balance_compare_plans_passes_every_setting_on() -> None:
+    """The report is plan() with that algorithm, dealt by order_rows() with that layout and seed:
+    recomputed here from those two, for settings other than the defaults."""
+    from megapack.packing.compare import compare_plans
+
+    lengths = np.random.default_rng(4).lognormal(3, 1, 400).astype(int) + 1
+    cost = CostModel(a=2, b=1)
+    layout = {"dp_size": 2, "micro_batches": 3, "rows_per_micro_batch": 2}
+    r = compare_plans(lengths, 64, **layout, cost=cost, algorithm="next_fit", seed=3)
+    rows = plan(lengths, 64, algorithm="next_fit")
+    assert rows.num_bins != plan(lengths, 64).num_bins  # next fit packs worse than bfd here
+    costs = cost.bin_costs(rows.slices, rows.bin_offsets)
+    per_batch = 2 * 3 * 2
+    for mode in ("token", "compute"):
+        order = order_rows(costs, balance=mode, **layout, seed=3)
+        assert r[f"imbalance_{mode}_plan"] == imbalance(order, costs, **layout)
+        padded = -(-rows.num_bins // per_batch) * per_batch
+        assert r[f"efficiency_{mode}_plan"] == rows.packed_tokens / (padded * 64)
+    assert r["imbalance_token_plan"] != imbalance(  # another seed deals other rows
+        order_rows(costs, balance="token", **layout, seed=0), costs, **layout
+    )
+    assert (r["rows"], r["global_batches"]) == (rows.num_bins, rows.num_bins // per_batch)
+    assert {k: r[k] for k in (*layout, "cost_a", "cost_b")} == {**layout, "cost_a": 2, "cost_b": 1}
+    assert isinstance(r["compute_plan_seconds"], float) and 0 <= r["compute_plan_seconds"] < 60
+    assert len(r) == 12
+    with pytest.raises(ValueError, match=r"^dp_size must be >= 1, got 0$"):
+        compare_plans(lengths, 64, dp_size=0, cost=cost)
+    with pytest.raises(TypeError, match=r"^balance='compute' needs cost=CostModel"):
+        compare_plans(lengths, 64, dp_size=2, cost=None)  # type: ignore[arg-type]
+
+
+def test_balance_compare_plans_seed_reaches_best() -> None:
+    """An input where the "best" search ends differently for seeds 0 and 1."""
+    from megapack.packing.compare import compare_plans
+
+    lengths = [18, 17, 20, 32, 33, 25, 28, 38, 25, 15, 4, 22, 10, 24, 2, 34, 37, 6, 32, 16, 2,
+               36, 37, 2, 24, 33, 31, 17, 34, 33]  # fmt: skip
+    layout = {"dp_size": 2, "micro_batches": 1}
+    for seed in (0, 1):
+        r = compare_plans(lengths, 64, **layout, cost=SQUARES, algorithm="best", seed=seed)
+        p = plan(lengths, 64, algorithm="best", seed=seed)
+        costs = SQUARES.bin_costs(p.slices, p.bin_offsets)
+        order = order_rows(costs, balance="token", **layout, seed=seed)
+        assert r["imbalance_token_plan"] == imbalance(order, costs, **layout)
