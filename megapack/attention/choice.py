@@ -79,7 +79,7 @@ def refusal(
     Example:
         >>> have = Installed(cuda=True, flash_attn=False, te=False, varlen=None, flex=True)
         >>> refusal("flex", "cpu", torch.float32, training=True, dropout=0.0, installed=have)
-        "flex_attention has no backward on CPU in torch (forward only)"
+        'flex_attention has no backward on CPU in torch (forward only)'
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS} or 'auto'")

@@ -93,8 +93,9 @@ def apply_rope(
         >>> table = torch.zeros(4, 1, 1, 2)
         >>> table[:, 0, 0, :] = torch.arange(4.0)[:, None] * torch.pi / 2  # 90 degrees a step
         >>> t = torch.tensor([[[1.0, 0.0]], [[1.0, 0.0]]])
-        >>> apply_rope(t, table, torch.tensor([0, 1]), interleaved=False).round().tolist()
-        [[[1.0, 0.0]], [[0.0, 1.0]]]
+        >>> out = apply_rope(t, table, torch.tensor([0, 1]), interleaved=False)  # token 1: 90 degrees
+        >>> torch.allclose(out, torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]]]), atol=1e-6)
+        True
     """
     check_table(table, t.shape[-1])
     cos, sin = _cos_sin(table, positions, t.dtype, mscale, docs)
