@@ -1,0 +1,243 @@
+"""The GPU kit end to end: its dry run on CPU (as CI runs it), a dead kit process, a leaking real GPT,
+and ``gpu``-marked tests that run the real checks on a CUDA device (skipped at collection without one).
+
+The dry run is ``bash scripts/gpu_check.sh --dry-run --out DIR``: the same steps as on a GPU at toy
+sizes in fp32, every CUDA-only check skipped with its reason, everything else passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from megapack.bench.gpu_report import CHECK_KEYS, THROUGHPUT_KEYS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def on_gpu(test: Any) -> Any:
+    """Marks a test ``gpu`` and skips it at collection without CUDA."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the kit's device checks")  # fmt: skip
+    return pytest.mark.gpu(skip(test))
+
+
+def run_kit(out: Path, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
+        capture_output=True, text=True, timeout=240, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    return done, json.loads((out / "gpu-report.json").read_text())
+
+
+def test_dry_run_report(tmp_path: Path) -> None:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done, report = run_kit(tmp_path / "kit")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # CPU seconds, not wall time: a loaded CI machine stretches the wall clock (~20 s idle, 2 cores)
+    assert cpu_s < 60, f"the dry run took {cpu_s:.0f} CPU s; it must stay under a minute"
+    assert list(report) == ["device", "torch", "checks", "throughput"]
+    assert report["device"].startswith("cpu") and report["torch"] == torch.__version__
+    checks = report["checks"]
+    assert all(tuple(c) == CHECK_KEYS for c in checks)
+    by_status = {
+        s: [c for c in checks if c["status"] == s] for s in ("passed", "failed", "skipped")
+    }
+    assert not by_status["failed"], by_status["failed"]
+    for c in by_status["skipped"]:  # only what needs CUDA, saying so
+        assert "CUDA" in c["detail"] or c["name"].startswith("target:"), c
+    passed = " / ".join(c["name"] for c in by_status["passed"])
+    for name in ("set-up", "attention: sdpa, float32, fwd+bwd", "packed == padded per-token losses (float32",
+                 "model: 0.1M-parameter GPT", "throughput"):  # fmt: skip
+        assert name in passed, f"{name!r} did not pass: {checks}"
+    skipped = " / ".join(c["name"] for c in by_status["skipped"])
+    for name in ("attention: torch_varlen", "bfloat16", "sync: get_batch_on_this_tp_rank",
+                 "sync: prefetch", "sync: packed GPT forward + backward", "target: packed MFU"):  # fmt: skip
+        assert name in skipped, f"{name!r} was not skipped: {checks}"
+    rows = report["throughput"]
+    assert [r["config"] for r in rows] == [
+        f"{mix}, seq {seq}, vs padded to {what}"
+        for seq in (128, 256) for mix in ("openchat", "sft-short") for what in ("seq", "longest")
+    ]  # fmt: skip
+    for r in rows:
+        assert tuple(r) == THROUGHPUT_KEYS
+        assert all(isinstance(r[k], float) and r[k] > 0 for k in THROUGHPUT_KEYS[1:]), r
+    text = (tmp_path / "kit" / "gpu-report.md").read_text()
+    assert "DRY RUN" in text and "## Checks" in text and "## Throughput" in text
+    assert (tmp_path / "kit" / "gpu-kit.log").read_text().count("skipped") >= len(
+        by_status["skipped"]
+    )
+
+
+def test_a_dead_kit_process_is_a_failed_check(tmp_path: Path) -> None:
+    """The kit killed mid-run (SIGKILL): the script still leaves a report, ending in a failed check."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'for a in "$@"; do [ "$a" = megapack.bench.gpu_kit ] && { echo "measured half"; kill -9 $$; }; done\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    fake.chmod(0o755)
+    done, report = run_kit(tmp_path / "kit", env={"PYTHON": str(fake)})
+    assert done.returncode == 1, done.stderr[-2000:]
+    last = report["checks"][-1]
+    assert (last["name"], last["status"]) == ("kit process", "failed")
+    assert "killed by signal 9" in last["detail"] and "measured half" in last["detail"]
+
+
+# -- packed == padded catches a leak in megatron-core's real GPT (CPU, gloo) ------------------------
+class DropsBoundaries(torch.nn.Module):
+    """GPTModel called without packed_seq_params: a packed row becomes one causal sequence."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, packed_seq_params: Any = None, **kwargs: Any) -> Any:
+        return self.model(*args, packed_seq_params=None, **kwargs)
+
+
+def losses_with_and_without_boundaries() -> list[tuple[str, str]]:
+    from megapack.bench.gpu_checks import packed_vs_padded
+    from megapack.bench.gpu_kit import DRY, _set_up
+    from megapack.bench.gpu_model import build_gpt
+
+    cpu = torch.device("cpu")
+    _set_up(cpu, seed=0)
+    model = build_gpt(DRY.shape, device=cpu, dtype=torch.float32, max_sequence_length=128)
+    out = []
+    for candidate in (model, DropsBoundaries(model)):
+        check = packed_vs_padded(candidate, device=cpu, dtype=torch.float32, lengths=DRY.loss_lengths,
+                                 seq_len=128, vocab_size=DRY.shape.vocab_size, label="losses")  # fmt: skip
+        out.append((check.status, check.detail))
+    return out
+
+
+@pytest.mark.distributed
+def test_packed_vs_padded_catches_a_leak_in_megatron_gpt(dist_pool: Any) -> None:
+    (results,) = dist_pool.run(losses_with_and_without_boundaries, 1, timeout=120)
+    (ok, ok_detail), (leak, leak_detail) = results
+    assert ok == "passed", ok_detail
+    assert leak == "failed", leak_detail
+    worst = float(leak_detail.split("largest per-token difference ")[1].split(" ")[0])
+    assert worst > 100 * 1e-4, leak_detail  # far outside the fp32 tolerance, not a rounding case
+
+
+# -- on a GPU ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cuda_world() -> Iterator[torch.device]:
+    """One-rank torch.distributed world and megatron-core parallel state on the GPU, as the kit sets up."""
+    from megapack.bench.gpu_kit import _set_up, _tear_down
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    _set_up(device, seed=0)
+    try:
+        yield device
+    finally:
+        _tear_down()
+
+
+def small_preset(device: torch.device, dtype: torch.dtype) -> Any:
+    from megapack.bench.gpu_model import PRESET, build_gpt
+
+    shape = dataclasses.replace(PRESET, num_layers=2)
+    return shape, build_gpt(shape, device=device, dtype=dtype, max_sequence_length=2048)
+
+
+def packed_batches(vocab: int, seq_len: int = 2048, count: int = 10) -> list[Any]:
+    from megapack.bench.throughput import micro_batches
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, vocab, n) for n in rng.integers(1, 1500, 3 * count)]
+    return micro_batches("packed", docs, seq_len, 1)[:count]
+
+
+@on_gpu
+def test_attention_backends_against_the_reference_on_gpu(cuda_world: torch.device) -> None:
+    from megapack.bench.gpu_checks import attention_checks
+
+    checks = attention_checks(
+        cuda_world, torch.bfloat16, heads=16, groups=4, head_dim=128, max_len=1024
+    )
+    assert not [c for c in checks if c.status == "failed"], checks
+    ran = [c.name for c in checks if c.status == "passed" and "fwd+bwd" in c.name]
+    assert any("sdpa" in n for n in ran) and len(ran) >= 2, (
+        checks
+    )  # sdpa and at least one fused kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@on_gpu
+def test_packed_equals_padded_on_gpu(cuda_world: torch.device, dtype: torch.dtype) -> None:
+    from megapack.bench.gpu_checks import packed_vs_padded
+
+    shape, model = small_preset(cuda_world, dtype)
+    check = packed_vs_padded(model, device=cuda_world, dtype=dtype, lengths=[1, 7, 900, 33, 512, 2, 300],
+                             seq_len=2048, vocab_size=shape.vocab_size, label="losses")  # fmt: skip
+    assert check.status == "passed", check.detail
+
+
+@on_gpu
+def test_zero_syncs_in_delivery_prefetch_and_a_packed_step_on_gpu(cuda_world: torch.device) -> None:
+    from megapack.bench.gpu_checks import sync_checks
+
+    shape, model = small_preset(cuda_world, torch.bfloat16)
+    checks = sync_checks(model, packed_batches(shape.vocab_size), device=cuda_world)
+    assert [c.status for c in checks] == ["passed"] * 3, "\n".join(c.detail for c in checks)
+
+
+class ItemInForward(torch.nn.Module):
+    """A per-token loss whose forward reads a value back to the host: a real synchronizing call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(32000, 1)
+
+    def forward(self, tokens: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = self.embedding(tokens)[..., 0]
+        if out.sum().item() > 1e30:  # the .item() is the sync
+            out = out * 2
+        return out
+
+
+@on_gpu
+def test_the_sync_check_sees_a_real_sync_on_gpu(cuda_world: torch.device) -> None:
+    from megapack.bench.gpu_checks import sync_checks
+
+    checks = sync_checks(ItemInForward().to(cuda_world), packed_batches(32000), device=cuda_world)
+    assert [c.status for c in checks][2] == "failed", checks
+    assert "synchronizing" in checks[2].detail and "in forward" in checks[2].detail
+
+
+@on_gpu
+def test_throughput_smoke_on_gpu(cuda_world: torch.device) -> None:
+    from megapack import Topology
+    from megapack.bench.datasets import bundled_lengths_path, load_lengths
+    from megapack.bench.gpu import ThroughputSizes, length_mixes, run_gpu_throughput, summarize
+    from megapack.bench.gpu_model import matmul_ceiling
+
+    shape, model = small_preset(cuda_world, torch.bfloat16)
+    sizes = ThroughputSizes(
+        seq_lens=(2048,), documents=16, rows=2, warmup=1, steps=1, length_scale=1.0
+    )
+    mixes = length_mixes(load_lengths(bundled_lengths_path())[0], 16, max_len=2048)
+    rows = run_gpu_throughput(model, shape, sizes, mixes, topology=Topology.single(cuda_world))
+    assert [r["status"] for r in rows] == ["ok"] * 6, rows
+    ceiling = matmul_ceiling(cuda_world, torch.bfloat16, n=4096)
+    assert ceiling > 50e12, f"bf16 matmul at {ceiling / 1e12:.0f} TFLOP/s"
+    for entry in summarize(rows, ceiling):
+        assert entry["ratio"] > 0 and entry["theoretical_ratio"] > 0 and 0 < entry["mfu"] < 1.2, (
+            entry
+        )
