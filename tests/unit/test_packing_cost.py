@@ -103,3 +103,45 @@ def test_cost_from_shape_rejects_bad_sizes(override: dict, words: str) -> None:
 def test_cost_docstrings() -> None:
     module = importlib.import_module("megapack.packing.cost")
     assert doctest.testmod(module).failed == 0
+
+
+def test_cost_head_dim_from_the_config_and_the_default() -> None:
+    """``kv_channels`` is the head width when set; otherwise ``hidden // heads`` (floored)."""
+    config = SimpleNamespace(
+        hidden_size=16, ffn_hidden_size=32, num_layers=1, num_attention_heads=4,
+        num_query_groups=2, kv_channels=8, gated_linear_unit=True,
+    )  # fmt: skip
+    shape = {"hidden": 16, "ffn": 32, "layers": 1, "heads": 4, "kv_heads": 2, "gated": True}
+    got = CostModel.from_transformer_config(config, vocab=0)
+    assert got == CostModel.from_shape(**shape, head_dim=8, vocab=0)
+    assert got.b == 3 * 2 * 4 * 8 != CostModel.from_shape(**shape, vocab=0).b  # default: 16 // 4
+    odd = CostModel.from_shape(hidden=66, ffn=8, layers=1, heads=4, vocab=0)  # 66 // 4 = 16
+    assert odd.b == 3 * 2 * 4 * 16 and odd.a == 3 * 2 * (66 * 3 * 64 + 64 * 66 + 2 * 66 * 8)
+    assert CostModel.from_shape(hidden=4, ffn=8, layers=1, heads=4, vocab=0).b == 3 * 2 * 4
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"hidden": 0}, "hidden must be an int >= 1, got 0"),
+        ({"ffn": 0}, "ffn must be an int >= 1, got 0"),
+        ({"layers": 0}, "layers must be an int >= 1, got 0"),
+        ({"heads": 0}, "heads must be an int >= 1, got 0"),
+        ({"kv_heads": 0}, "kv_heads must be an int >= 1, got 0"),
+        ({"vocab": -1}, "vocab must be an int >= 0, got -1"),
+        ({"head_dim": -1}, "head_dim must be an int >= 1, got -1"),
+        ({"hidden": 2, "heads": 4}, "hidden=2 < heads=4: pass head_dim explicitly"),
+    ],
+)
+def test_cost_from_shape_names_the_bad_size(override: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        CostModel.from_shape(**{**TINY, **override})
+
+
+def test_cost_model_messages() -> None:
+    with pytest.raises(TypeError, match=r"^CostModel\.a must be a number, got str$"):
+        CostModel(a="1", b=0.0)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"^CostModel needs a > 0 or b > 0; CostModel\.tokens\(\) balances tokens$"
+    ):
+        CostModel(a=0, b=0)
