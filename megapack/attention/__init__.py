@@ -1,4 +1,4 @@
-"""Packed (THD) attention for megatron-core: kernels, backend choice, RoPE, context parallelism; imports only torch, numpy, megapack.cp and megapack.quiet.
+"""Packed (THD) attention: kernels, backend choice, RoPE, CP; imports torch, numpy, megapack.cp, megapack.quiet only.
 
 Modules:
 
@@ -13,8 +13,8 @@ Modules:
     cp.py         context-parallel attention: K/V all-gather, segment plan (cp_kernels.py: kernels)
     rope.py       rotary position embedding from each token's position in its document
 
-Never imports the delivery modules (transfer, wire, ...) or megapack's process-group code;
-megatron-core only lazily, inside calls.
+Never imports the delivery modules (transfer, wire, ...) or megapack's process-group code
+(tests/unit/test_attention.py checks); megatron-core only lazily, inside calls.
 """
 
 from megapack.attention.choice import BACKENDS, backend_available, choose_backend, resolve_backend

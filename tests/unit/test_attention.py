@@ -269,3 +269,30 @@ def test_flex_training_on_cuda_matches_reference_without_recompiles() -> None:
             torch.testing.assert_close(got.float().cpu(), expected, rtol=5e-2, atol=5e-2)
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[1:] == [graphs[0]] * 2, f"recompiled as boundaries changed: {graphs}"
+
+
+def test_attention_package_imports_only_what_its_docstring_allows() -> None:
+    """megapack.attention may import torch, numpy, megapack.cp and megapack.quiet, never delivery."""
+    from pathlib import Path
+
+    import megapack.attention
+    from tests.unit.test_layering import imported_modules
+
+    allowed = (
+        "megapack.attention",
+        "megapack.cp",
+        "megapack.core.cp",
+        "megapack.quiet",
+    )  # cp moving to core
+    package = Path(megapack.attention.__file__).parent
+    offenders = {}
+    for path in sorted(package.glob("*.py")):
+        names = imported_modules(path.read_text(), "megapack.attention")
+        bad = sorted(
+            n for n in names
+            if n.split(".")[0] == "megapack" and n != "megapack"
+            and not any(n == a or n.startswith(a + ".") for a in allowed)
+        )  # fmt: skip
+        if bad:
+            offenders[path.name] = bad
+    assert offenders == {}
