@@ -7,7 +7,7 @@ tp = pp = 1), in this order:
 2. packed == padded per-token losses in fp32 (`FULL`: the preset's shapes with 4 layers);
 3. the model: `gpu_model.PRESET` in bf16 through ``Float16Module``, its parameter count against the
    FLOPs formula's;
-4. packed == padded in bf16 on that model;
+4. packed == padded in bf16 on that model (the dry run: on a bf16 copy of its toy model);
 5. syncs: get_batch_on_this_tp_rank, prefetch and a packed fwd+bwd under
    ``torch.cuda.set_sync_debug_mode("error")`` (`gpu_checks.sync_checks`);
 6. the bf16 matmul ceiling (8,192^3), then throughput (`megapack.bench.gpu`) and the targets.
@@ -17,8 +17,8 @@ Every step's exception becomes a failed check and the next step runs; the report
 check failed (the report is complete either way), anything else when the process itself died.
 
 ``--dry-run`` runs the same steps on CPU (gloo, megatron-core redirected by
-`megapack.megatron_cpu`) at `DRY` sizes in fp32: the CUDA-only checks (bf16, syncs, the targets,
-backends without a CPU kernel) are skipped with their reason. It takes ~15-25 s on 2 cores.
+`megapack.megatron_cpu`) at `DRY` sizes in fp32 (bf16 for step 4): the CUDA-only checks (syncs,
+the targets, backends without a CPU kernel) are skipped with their reason. It takes ~15-25 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -130,19 +130,7 @@ def run_kit(out: Path, *, dry_run: bool, sizes: KitSizes | None = None, seed: in
     seq = sizes.throughput.seq_lens[0]
     step("packed == padded (float32)", lambda: [_fp32_losses(sizes, device, seq, seed)])
     step("model", lambda: [_build_main(sizes, device, state)])
-    bf16_label = "packed == padded per-token losses (bfloat16, Float16Module)"
-    if sizes.dtype == torch.bfloat16:
-        step(bf16_label, lambda: [packed_vs_padded(
-            state["model"], device=device, dtype=torch.bfloat16, lengths=sizes.loss_lengths, seq_len=seq,
-            vocab_size=sizes.shape.vocab_size, label=f"{bf16_label}, {sizes.shape.num_layers} layers")])  # fmt: skip
-    else:
-        report.add(
-            Check(
-                name=bf16_label,
-                status="skipped",
-                detail="needs CUDA: the bf16 check runs the preset on a GPU",
-            )
-        )
+    step("packed == padded (bfloat16)", lambda: [_bf16_losses(sizes, device, state, seq, seed)])
     mixes = length_mixes(_openchat(), sizes.throughput.documents, max_len=min(sizes.throughput.seq_lens),
                          scale=sizes.throughput.length_scale, seed=seed)  # fmt: skip
     step("sync", lambda: _syncs(sizes, device, state, mixes["openchat"], seq, seed))
@@ -203,6 +191,22 @@ def _fp32_losses(sizes: KitSizes, device: torch.device, seq_len: int, seed: int)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _bf16_losses(
+    sizes: KitSizes, device: torch.device, state: dict[str, Any], seq_len: int, seed: int
+) -> Check:
+    """On the bf16 model itself; the dry run (fp32) builds a bf16 copy of its toy model for it."""
+    shape = sizes.shape
+    if sizes.dtype == torch.bfloat16:
+        model = state["model"]
+    else:
+        model = build_gpt(shape, device=device, dtype=torch.bfloat16, max_sequence_length=seq_len)
+    return packed_vs_padded(
+        model, device=device, dtype=torch.bfloat16, lengths=sizes.loss_lengths, seq_len=seq_len,
+        vocab_size=shape.vocab_size, seed=seed,
+        label=f"packed == padded per-token losses (bfloat16, Float16Module, {shape.num_layers} layers)",
+    )  # fmt: skip
 
 
 def _build_main(sizes: KitSizes, device: torch.device, state: dict[str, Any]) -> Check:

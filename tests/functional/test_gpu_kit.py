@@ -45,7 +45,8 @@ def test_dry_run_report(tmp_path: Path) -> None:
     done, report = run_kit(tmp_path / "kit")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    failed = [c for c in report["checks"] if c["status"] == "failed"]
+    assert done.returncode == 0 and not failed, (failed, done.stdout[-3000:], done.stderr[-3000:])
     # CPU seconds, not wall time: a loaded CI machine stretches the wall clock (~20 s idle, 2 cores)
     assert cpu_s < 60, f"the dry run took {cpu_s:.0f} CPU s; it must stay under a minute"
     assert list(report) == ["device", "torch", "checks", "throughput"]
@@ -60,10 +61,11 @@ def test_dry_run_report(tmp_path: Path) -> None:
         assert "CUDA" in c["detail"] or c["name"].startswith("target:"), c
     passed = " / ".join(c["name"] for c in by_status["passed"])
     for name in ("set-up", "attention: sdpa, float32, fwd+bwd", "packed == padded per-token losses (float32",
-                 "model: 0.1M-parameter GPT", "throughput"):  # fmt: skip
+                 "packed == padded per-token losses (bfloat16, Float16Module", "model: 0.1M-parameter GPT",
+                 "throughput"):  # fmt: skip
         assert name in passed, f"{name!r} did not pass: {checks}"
     skipped = " / ".join(c["name"] for c in by_status["skipped"])
-    for name in ("attention: torch_varlen", "bfloat16", "sync: get_batch_on_this_tp_rank",
+    for name in ("attention: torch_varlen", "sync: get_batch_on_this_tp_rank",
                  "sync: prefetch", "sync: packed GPT forward + backward", "target: packed MFU"):  # fmt: skip
         assert name in skipped, f"{name!r} was not skipped: {checks}"
     rows = report["throughput"]
