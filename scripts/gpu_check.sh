@@ -12,13 +12,15 @@
 # Exit status: 0 when no check failed, 1 when one did (or the kit's process died: the report then
 # ends with a failed "kit process" check), 2 on a usage error.
 set -uo pipefail
+caller=$PWD
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-out=gpu-out
+out=gpu-out  # in the repository; an --out given is taken from where the script was called
 dry=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    --out) [ $# -ge 2 ] || { echo "gpu_check: --out needs a folder" >&2; exit 2; }; out=$2; shift 2 ;;
+    --out) [ $# -ge 2 ] || { echo "gpu_check: --out needs a folder" >&2; exit 2; }
+      case "$2" in /*) out=$2 ;; *) out="$caller/$2" ;; esac; shift 2 ;;
     --dry-run) dry=(--dry-run); shift ;;
     *) echo "usage: bash scripts/gpu_check.sh [--out DIR] [--dry-run]  (unknown argument: $1)" >&2; exit 2 ;;
   esac
