@@ -8,7 +8,7 @@
   without saving or moving a checkpoint.
 * `forward_step` is a pretrain_gpt-style ``forward_step_func`` that calls
   `megapack.get_batch_on_this_tp_rank` and returns a masked mean loss per micro-batch
-  (`masked_mean_loss`).
+  (`megapack.megatron.loss.masked_mean_loss`).
 
 The MLP is ungated (GELU): a gated fc1 interleaves its two halves across TP ranks, which a plain
 slice of the full tensor would not reproduce. megatron-core is imported lazily, inside the calls.
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megapack.cp import CpLayout
-from megapack.topology import Topology
 from megapack.delivery.get_batch import get_batch_on_this_tp_rank
+from megapack.megatron.loss import masked_mean_loss
+from megapack.topology import Topology
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,29 +127,6 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
             else:
                 full = (0.01 if full_name.endswith("bias") else 0.05) * full
             param.copy_(full.chunk(tp, dim=dim)[tp_rank] if split else full)
-
-
-def masked_mean_loss(
-    loss_mask: torch.Tensor, per_token: torch.Tensor, cp_group: Any = None
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Mean loss over trained positions of one micro-batch; also reports the masked per-token losses.
-
-    With a context-parallel ``cp_group`` each rank holds a share of the tokens: the loss is this
-    share's sum over the whole micro-batch's trained-token count, so the CP ranks' losses add up to
-    the micro-batch mean. megatron-core's schedule multiplies a returned loss by cp and its DDP
-    averages gradients over the dp x cp group: together, the gradient of that mean. The reported
-    ``"lm loss"`` is the mean itself, on every CP rank.
-    """
-    mask = loss_mask.float()
-    count = mask.sum()
-    if cp_group is not None:
-        count = count.detach().clone()
-        dist.all_reduce(count, group=cp_group)
-    loss = (per_token.float() * mask).sum() / count.clamp(min=1.0)
-    reported = loss.detach().clone()  # clone(): the schedule divides the loss in place
-    if cp_group is not None:
-        dist.all_reduce(reported, group=cp_group)
-    return loss, {"lm loss": reported, "per_token": (per_token.detach() * mask).clone()}
 
 
 def forward_step(

@@ -275,7 +275,7 @@ def sync_checks(
     still run (so their code is exercised) and the checks are skipped: nothing detects syncs there.
     """
     from megapack import Topology, get_batch_on_this_tp_rank, prefetch
-    from megapack.models import masked_mean_loss
+    from megapack.megatron.loss import masked_mean_loss
 
     if len(batches) < 8:
         raise ValueError(f"sync_checks needs at least 8 micro-batches, got {len(batches)}")

@@ -215,10 +215,10 @@ def plots(results: dict[str, Any], directory: str) -> list[Path]:
             )
             for key, style in (
                 ("megapack_ms", "-o"),
-                ("megapack_gloo_ms", "-.x"),
+                ("megapack_collectives_ms", "-.x"),
+                ("megapack_fields_ms", "-v"),
                 ("per_tensor_ms", "--s"),
                 ("bare_megatron_ms", ":^"),
-                ("bare_payload_ms", ":v"),
             ):
                 ax.plot(
                     [r["tp"] for r in rows],

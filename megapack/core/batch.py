@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from megapack.checks import check_int
-from megapack.core.fields import CU_DTYPE, MASK_DTYPE, TOKEN_DTYPE
+from megapack.core.extras import check_extras, document_extras, join_rows
+from megapack.core.fields import CU_DTYPE, MASK_DTYPE, TOKEN_DTYPE, BatchField
 from megapack.seq_params import make_packed_seq_params
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ class PackedBatch:
         """
         if not self._grid_ok():
             self._check_grid()  # raises, naming the field
+        if self.extras:
+            check_extras(self.extras)
         total = self.num_tokens
         if total == 0:
             raise ValueError("PackedBatch.tokens is empty (T == 0)")
@@ -185,6 +188,7 @@ class PackedBatch:
         seq_len: int | None = None,
         pad_to_multiple_of: int = 1,
         pad_token_id: int = 0,
+        fields: Sequence[BatchField] = (),
     ) -> PackedBatch:
         """Pack documents into one THD row.
 
@@ -197,6 +201,10 @@ class PackedBatch:
             pad_to_multiple_of: pad each document to a multiple of this (e.g. 2 x context-parallel
                 size, or 8/16 for FP8 kernels); then ``cu_seqlens_padded`` is set.
             pad_token_id: token id used for padding and for the label of each document's last token.
+            fields: a trainer's own fields (`megapack.BatchField`), each in every document dict:
+                per token a sequence as long as its tokens (placed at their positions, 0 on
+                padding), per sample one value, ragged a tensor [n_i, ...] (may be absent);
+                they land in ``extras`` (`megapack.core.extras`).
 
         Returns:
             A validated PackedBatch on CPU.
@@ -211,11 +219,7 @@ class PackedBatch:
             seq_len = check_int("seq_len", seq_len, minimum=1)
         if len(docs) == 0:
             raise ValueError("docs is empty: a PackedBatch needs at least one document")
-        from megapack.data.document import Document as DataDocument  # lazy: data imports batch
-
-        toks, masks = zip(
-            *(_document_arrays(i, d, DataDocument) for i, d in enumerate(docs)), strict=True
-        )
+        toks, masks = zip(*(_document_arrays(i, d) for i, d in enumerate(docs)), strict=True)
         lengths = np.array([len(t) for t in toks], dtype=np.int64)
         padded = -(-lengths // pad_to_multiple_of) * pad_to_multiple_of
         total = int(padded.sum())
@@ -258,17 +262,27 @@ class PackedBatch:
             if cu_padded is None
             else torch.from_numpy(cu_padded.astype(np.int32)),
             max_seqlen=int(segment_lens.max()),
+            extras=document_extras(docs, fields, starts, lengths, width) if fields else {},
         ).validate()
 
     @classmethod
-    def concat(cls, rows: Sequence[PackedBatch]) -> PackedBatch:
+    def concat(cls, rows: Sequence[PackedBatch], fields: Sequence[BatchField] = ()) -> PackedBatch:
         """Concatenate packed rows into one THD micro-batch (boundaries offset row by row).
 
-        Rows must agree on whether ``cu_seqlens_padded`` is set. Example: rows with
-        ``cu_seqlens`` [0, 3, 4] and [0, 2, 4] give [0, 3, 4, 6, 8].
+        Rows must agree on whether ``cu_seqlens_padded`` is set, and hold the same ``extras``,
+        declared in ``fields`` (per token joined along the row, per sample and ragged one after
+        another). Example: rows with ``cu_seqlens`` [0, 3, 4] and [0, 2, 4] give [0, 3, 4, 6, 8].
         """
         if not rows:
             raise ValueError("PackedBatch.concat needs at least one row")
+        declared = {f.name: f for f in fields}
+        names = {frozenset(r.extras) for r in rows}
+        if len(names) != 1 or set(names.pop()) != set(declared):
+            raise ValueError(
+                f"PackedBatch.concat: rows hold extras {sorted({k for r in rows for k in r.extras})}"
+                f" but fields= declares {sorted(declared)}: every row must hold every declared "
+                "field and no other (its declaration says how to join it)"
+            )
         padded = {r.cu_seqlens_padded is not None for r in rows}
         if len(padded) != 1:
             raise ValueError("PackedBatch.concat: some rows have cu_seqlens_padded and some do not")
@@ -295,6 +309,7 @@ class PackedBatch:
             cu_seqlens=torch.cat(real),
             cu_seqlens_padded=torch.cat(buffer) if buffer else None,
             max_seqlen=max(r.max_seqlen for r in rows),
+            extras={n: join_rows(f, [r.extras[n] for r in rows]) for n, f in declared.items()},
         ).validate()
 
 
@@ -323,13 +338,11 @@ def _check_cu(name: str, cu: Any) -> tuple[np.ndarray, np.ndarray]:
     return values, lengths
 
 
-def _document_arrays(
-    index: int, doc: Document, data_document: type
-) -> tuple[np.ndarray, np.ndarray]:
+def _document_arrays(index: int, doc: Document) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, target mask) of one document as numpy arrays."""
     mask: Any = None
-    if isinstance(doc, data_document):
-        data_doc: Any = doc  # a megapack.data.Document (not imported here: data imports batch)
+    if hasattr(doc, "tokens") and hasattr(doc, "loss_mask"):  # a megapack.data.Document
+        data_doc: Any = doc
         raw, mask = data_doc.tokens, data_doc.loss_mask
     elif isinstance(doc, Mapping):
         if "tokens" not in doc:

@@ -157,14 +157,10 @@ class Schema:
     key: int
     by_stage: dict[Stage, tuple[BatchField, ...]]
     """The fields each stage receives, in frame order."""
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.fields)
-
-    @property
-    def output_keys(self) -> tuple[str, ...]:
-        return (*OUTPUT_KEYS, *(f.name for f in self.declared))
+    names: tuple[str, ...]
+    """Every field's name, in frame order."""
+    output_keys: tuple[str, ...]
+    """The keys of the dict a call returns: `OUTPUT_KEYS` and the declared names."""
 
 
 def schema_of(declared: Iterable[BatchField] = ()) -> Schema:
@@ -205,4 +201,6 @@ def _schema(declared: tuple[BatchField, ...]) -> Schema:
     text = ";".join(f"{f.name}:{f.per}:{f.dtype}:{f.stages}" for f in fields)
     key = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
     by_stage = {s: tuple(f for f in fields if s in f.stage_set) for s in Stage}
-    return Schema(fields=fields, declared=declared, key=key, by_stage=by_stage)
+    return Schema(fields=fields, declared=declared, key=key, by_stage=by_stage,
+                  names=tuple(f.name for f in fields),
+                  output_keys=(*OUTPUT_KEYS, *(f.name for f in declared)))  # fmt: skip

@@ -100,7 +100,7 @@ def _from_packed_batch(item: PackedBatch, schema: Schema) -> Batch:
                 f"{sorted(extras)})"
             )
         values[field.name] = _declared(extras.pop(field.name), field, (1, b.num_tokens),
-                                       where="PackedBatch.extras")  # fmt: skip
+                                       where="PackedBatch.extras", samples=None)  # fmt: skip
     if extras:
         raise ValueError(
             f"PackedBatch.extras has undeclared keys {sorted(extras)}: declare each with "
@@ -135,7 +135,7 @@ def _from_dict(item: Mapping[str, Any], schema: Schema) -> Batch:
             raise ValueError(
                 f"batch is missing {name!r}, declared in fields= (got keys {sorted(item)})"
             )
-        value = _declared(item[name], field, (rows, cols), where="batch")
+        value = _declared(item[name], field, (rows, cols), where="batch", samples=rows)
         values[name] = value.reshape(1, -1) if is_packed and field.per == "token" else value
     if not is_packed:
         for name in GRID_NAMES:
@@ -233,11 +233,17 @@ def grid_tensor(
     return value
 
 
-def _declared(value: Any, field: BatchField, grid: tuple[int, int], *, where: str) -> torch.Tensor:
-    """A trainer's declared field checked against its declaration; ragged lists concatenated."""
+def _declared(
+    value: Any, field: BatchField, grid: tuple[int, int], *, where: str, samples: int | None
+) -> torch.Tensor:
+    """A trainer's declared field checked against its declaration; ragged lists concatenated.
+
+    ``samples``: b, the samples a per-sample field and a ragged list hold (None in a PackedBatch,
+    whose samples are the trainer's: one per document from `PackedBatch.from_documents`).
+    """
     name = f"{where}[{field.name!r}]"
     if field.per == "ragged" and isinstance(value, list | tuple):
-        value = _ragged(value, field, grid[0], name)
+        value = _ragged(value, field, samples, name)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.dtype != field.dtype:
@@ -252,19 +258,19 @@ def _declared(value: Any, field: BatchField, grid: tuple[int, int], *, where: st
             f"{name} has shape {tuple(value.shape)} but tokens has {grid}: a per-token field "
             "has the tokens' shape"
         )
-    if field.per == "sample" and (value.dim() == 0 or value.shape[0] != grid[0]):
+    if field.per == "sample" and (value.dim() == 0 or samples not in (None, value.shape[0])):
         raise ValueError(
             f"{name} has shape {tuple(value.shape)}; a per-sample field is [b, ...] with "
-            f"b={grid[0]} like tokens' rows"
+            f"b={samples} like tokens' rows"
         )
     if field.per == "ragged" and value.dim() == 0:
         raise ValueError(f"{name} is a scalar; a ragged field is [sum n_i, ...]")
     return value
 
 
-def _ragged(parts: Any, field: BatchField, samples: int, name: str) -> torch.Tensor:
+def _ragged(parts: Any, field: BatchField, samples: int | None, name: str) -> torch.Tensor:
     """b tensors [n_i, ...] (n_i may be 0) as one [sum n_i, ...] tensor, in sample order."""
-    if len(parts) != samples:
+    if samples is not None and len(parts) != samples:
         raise ValueError(
             f"{name} is a list of {len(parts)} tensors; a ragged field has one per sample "
             f"(b={samples})"

@@ -32,7 +32,7 @@ from megapack.core.fields import BatchField, Schema, Stage, schema_of
 from megapack.core.items import Batch, Layout, normalize
 from megapack.delivery.transport import Transport, transport_for
 from megapack.delivery.wire import Header, Status, decode, encode, header_bytes, signal
-from megapack.errors import ProtocolError, RemoteDataError
+from megapack.errors import CollectiveError, ProtocolError, RemoteDataError
 from megapack.side_groups import control_group
 from megapack.sync import check_in_sync, debug_sync_enabled
 from megapack.topology import Topology
@@ -41,7 +41,6 @@ __all__ = ["get_batch_on_this_tp_rank"]
 
 # Calls so far per TP group, the step $MEGAPACK_DEBUG_SYNC's check compares (same on all ranks).
 _calls: weakref.WeakKeyDictionary[dist.ProcessGroup, list[int]] = weakref.WeakKeyDictionary()
-_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -142,7 +141,7 @@ def _send(
     options: _SourceOptions,
 ) -> dict[str, Any]:
     error: Exception | None = None
-    payload = _EMPTY
+    pieces: list[torch.Tensor] = []
     try:
         if data_iterator is None:
             header = _without_iterator(topo, schema, options)
@@ -154,19 +153,31 @@ def _send(
                 cp_size=topo.cp_size, cp_rank=topo.cp_rank, layout=options.cp_layout,
                 tp_size=topo.tp_size, sequence_parallel=options.sequence_parallel,
             )  # fmt: skip
-            header, payload = encode(Batch(batch.layout, values), schema, topo.stage, topo.device)
+            header, pieces = encode(Batch(batch.layout, values), schema, topo.stage)
     except StopIteration:
         header = signal(Status.STOP, topo.stage, schema)
     except Exception as exc:
-        payload = torch.frombuffer(bytearray(f"{type(exc).__name__}: {exc}".encode()),
-                                   dtype=torch.uint8)  # fmt: skip
-        header, error = signal(Status.ERROR, topo.stage, schema, payload.numel()), exc
-    transport.send(header, payload, timeout)
+        header, pieces, error = *_error(exc, topo, schema), exc
+    try:
+        payload = transport.send(header, pieces, timeout)
+    except CollectiveError:
+        raise
+    except Exception as exc:  # laying the frame out failed, before anything was sent
+        transport.send(*_error(exc, topo, schema), timeout)
+        raise
     if header.status == Status.STOP:
         raise StopIteration
     if error is not None:
         raise error
     return decode(header, payload, schema, cp_group=topo.cp_group)
+
+
+def _error(exc: BaseException, topo: Topology, schema: Schema) -> tuple[Header, list[torch.Tensor]]:
+    """The frame that carries the source's error to its peers: a header and the message."""
+    message = torch.frombuffer(
+        bytearray(f"{type(exc).__name__}: {exc}".encode()), dtype=torch.uint8
+    )
+    return signal(Status.ERROR, topo.stage, schema, message.numel()), [message]
 
 
 def _receive(

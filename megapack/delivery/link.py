@@ -34,7 +34,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,9 +80,33 @@ class LocalLink:
 
     def send(self, parts: Sequence[Any], *, what: str, timeout: float | None) -> None:
         """Source: send one frame made of ``parts`` (bytes-like, uint8 arrays or CPU tensors)."""
-        seconds = comm.collective_timeout(timeout)
         buffers = [_buffer(p) for p in parts]
-        nbytes = sum(len(b) for b in buffers)
+
+        def write(frame: np.ndarray) -> None:
+            offset, out = 0, frame.data
+            for b in buffers:
+                out[offset : offset + len(b)] = b
+                offset += len(b)
+
+        self.send_frame(sum(len(b) for b in buffers), write, what=what, timeout=timeout)
+
+    def send_frame(
+        self,
+        nbytes: int,
+        write: Callable[[np.ndarray], None],
+        *,
+        what: str,
+        timeout: float | None,
+    ) -> tuple[np.ndarray, bool]:
+        """Source: send a frame of ``nbytes`` that ``write`` lays out in the array it is given.
+
+        A frame of `SHARED_MIN_BYTES` or more is written straight into the link's shared memory
+        (one copy on the way to the peers), once every peer has taken the previous frame; a
+        smaller one into a fresh array sent on the socket. Returns (the frame, whether it is the
+        shared memory, which the next frame overwrites: copy what must live on). An exception in
+        ``write`` propagates with nothing sent, the link still in step.
+        """
+        seconds = comm.collective_timeout(timeout)
         deadline = time.monotonic() + seconds
         self._take_acks(deadline, what, seconds)
         mode, fd = _INLINE, None
@@ -90,29 +114,33 @@ class LocalLink:
             try:
                 fd = self._reserve(nbytes)
                 mode = _SHARED if fd is None else _NEW_SEGMENT
-            except OSError:  # no shared memory to be had: this body goes on the socket
+            except OSError:  # no shared memory to be had: this frame goes on the socket
                 mode = _INLINE
-        if mode != _INLINE:
-            assert self.shared is not None
-            offset, shared = 0, self.shared.data
-            for b in buffers:
-                shared[offset : offset + len(b)] = b
-                offset += len(b)
-            buffers = []
+        shared = mode != _INLINE and self.shared is not None
+        frame = self.shared[:nbytes] if shared else np.empty(nbytes, dtype=np.uint8)  # type: ignore[index]
+        try:
+            write(frame)
+        except BaseException:
+            if fd is not None:  # the peers never heard of the new segment: the next makes another
+                os.close(fd)
+                self.shared, self.shared_bytes = None, 0
+            raise
         prefix = _PREFIX.pack(_MAGIC, self.sent, nbytes, mode, self.shared_bytes)
+        body = [] if shared else [frame.data]
         for peer, sock in self.peers.items():
             try:
                 if fd is not None:  # the new segment's descriptor rides on the prefix
                     sock.settimeout(max(deadline - time.monotonic(), 1e-3))
                     socket.send_fds(sock, [prefix], [fd])
                 else:
-                    _send_all(sock, [memoryview(prefix), *buffers], deadline)
+                    _send_all(sock, [memoryview(prefix), *body], deadline)
             except OSError as exc:
                 self._fail(exc, what, seconds, peer, "sending to")
         if fd is not None:
             os.close(fd)  # the peers hold their own descriptors now; the mapping stays
         self.sent += 1
         self._acked = False
+        return frame, shared
 
     def receive(self, *, what: str, timeout: float | None) -> np.ndarray:
         """Peer: the next frame's body as a fresh uint8 array (then acknowledge it)."""

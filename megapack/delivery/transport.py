@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import logging
 import os
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -44,7 +46,7 @@ from megapack import comm
 from megapack.core.fields import Schema
 from megapack.delivery.link import LocalLink
 from megapack.delivery.link_setup import link_for
-from megapack.delivery.wire import Header, Status
+from megapack.delivery.wire import Header, Status, payload_of, write_payload
 from megapack.side_groups import control_group
 from megapack.topology import Topology
 
@@ -61,8 +63,12 @@ class Transport(abc.ABC):
     """Why `transport_for` chose it, for the log."""
 
     @abc.abstractmethod
-    def send(self, header: Header, payload: torch.Tensor, timeout: float | None) -> None:
-        """Source: send ``header`` and its payload (uint8; an error's message on the host)."""
+    def send(
+        self, header: Header, pieces: list[torch.Tensor], timeout: float | None
+    ) -> torch.Tensor:
+        """Source: send ``header`` and its payload, laid out from ``pieces`` (`wire.encode`; an
+        error's message, one host tensor); returns the payload as the peers receive it, in
+        memory of the source's own (its outputs are views of it)."""
 
     @abc.abstractmethod
     def receive(self, header_bytes: int, timeout: float | None) -> tuple[Header, torch.Tensor]:
@@ -81,8 +87,14 @@ class SoloTransport(Transport):
     name = "none (tp=1)"
     why = "the TP group has one rank"
 
-    def send(self, header: Header, payload: torch.Tensor, timeout: float | None) -> None:
-        return None
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def send(
+        self, header: Header, pieces: list[torch.Tensor], timeout: float | None
+    ) -> torch.Tensor:
+        on = self.device if header.status == Status.OK else torch.device("cpu")  # a message
+        return payload_of(pieces, header.nbytes, on)
 
     def receive(self, header_bytes: int, timeout: float | None) -> tuple[Header, torch.Tensor]:
         raise RuntimeError("a TP group of one rank has no peer to receive a frame")
@@ -96,8 +108,20 @@ class LinkTransport(Transport):
     def __init__(self, link: LocalLink, what: str, why: str) -> None:
         self.link, self.what, self.why = link, what, why
 
-    def send(self, header: Header, payload: torch.Tensor, timeout: float | None) -> None:
-        self.link.send([header.to_bytes(), payload], what=self.what, timeout=timeout)
+    def send(
+        self, header: Header, pieces: list[torch.Tensor], timeout: float | None
+    ) -> torch.Tensor:
+        head = header.to_bytes()
+        start = len(head)
+
+        def write(frame: np.ndarray) -> None:
+            frame[:start] = np.frombuffer(head, dtype=np.uint8)
+            write_payload(pieces, frame[start:].data)
+
+        frame, shared = self.link.send_frame(start + header.nbytes, write, what=self.what,
+                                             timeout=timeout)  # fmt: skip
+        payload = frame[start:]  # the shared memory takes the next frame: the source copies
+        return torch.from_numpy(payload.copy() if shared else payload)
 
     def receive(self, header_bytes: int, timeout: float | None) -> tuple[Header, torch.Tensor]:
         body = self.link.receive(what=self.what, timeout=timeout)
@@ -118,8 +142,13 @@ class BroadcastTransport(Transport):
         self.name = f"header over {where}, payload broadcast on the TP group"
         self.what = f"get_batch_on_this_tp_rank %s from TP source rank {topo.src_rank}"
 
-    def send(self, header: Header, payload: torch.Tensor, timeout: float | None) -> None:
+    def send(
+        self, header: Header, pieces: list[torch.Tensor], timeout: float | None
+    ) -> torch.Tensor:
         error = header.status == Status.ERROR
+        payload = payload_of(
+            pieces, header.nbytes, torch.device("cpu") if error else self.topo.device
+        )
         head = header.to_bytes()
         if self.link is not None:  # header (+ message) in one link frame
             self.link.send([head, payload] if error else [head], what=self.what % "header",
@@ -130,6 +159,7 @@ class BroadcastTransport(Transport):
                 self._control(payload, "error message", timeout)
         if header.status == Status.OK and header.nbytes:
             self._payload(payload, timeout)
+        return payload
 
     def receive(self, header_bytes: int, timeout: float | None) -> tuple[Header, torch.Tensor]:
         if self.link is not None:
@@ -162,9 +192,6 @@ class BroadcastTransport(Transport):
     def _payload(self, payload: torch.Tensor, timeout: float | None) -> None:
         comm.broadcast_on_stream(payload, self.topo.src_rank, group=self.topo.tp_group,
                                  what=self.what % "payload broadcast", timeout=timeout)  # fmt: skip
-
-
-_SOLO = SoloTransport()
 
 
 @dataclass(slots=True)
@@ -209,7 +236,7 @@ def use_transport(mode: str) -> Iterator[None]:
 def transport_for(topo: Topology, schema: Schema, timeout: float | None) -> Transport:
     """The transport of ``topo``'s TP group (collective set-up at a group's first call)."""
     if topo.tp_group is None:
-        return _SOLO
+        return _solo(topo.device)
     state = _states.get(topo.tp_group)  # not setdefault: that builds a weakref every call
     if state is None:
         state = _states[topo.tp_group] = _GroupState()
@@ -225,6 +252,11 @@ def transport_for(topo: Topology, schema: Schema, timeout: float | None) -> Tran
             transport.why,
         )  # fmt: skip
     return transport
+
+
+@functools.cache
+def _solo(device: torch.device) -> SoloTransport:
+    return SoloTransport(device)
 
 
 def _choose(topo: Topology, mode: str, timeout: float | None) -> Transport:

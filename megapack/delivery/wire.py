@@ -20,6 +20,7 @@ Worked example: a 4,096-token packed row of 11 documents for the only stage is a
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -42,6 +43,13 @@ _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
           torch.int8: np.int8, torch.uint8: np.uint8, torch.float64: np.float64,
           torch.float32: np.float32, torch.float16: np.float16, torch.bool: np.bool_}  # fmt: skip
 _ZERO_PAD = bytes(8)
+_ABSENT = (-1, 0, 0, 0, 0, 0, 0)
+_ZEROS = (0,) * MAX_DIMS
+
+
+@functools.cache
+def _struct(slots: int) -> struct.Struct:
+    return struct.Struct(f"={slots}q")
 
 
 class Status(enum.IntEnum):
@@ -73,21 +81,15 @@ class Header:
 
     def to_bytes(self) -> bytes:
         """The header as native int64 slots, one record per schema field (`header_bytes`)."""
-        fields = len(self.dims)
-        slots = [0] * (FIXED_SLOTS + SLOTS_PER_FIELD * fields)
-        slots[:FIXED_SLOTS] = (MAGIC, self.status, STAGE_CODES[self.stage], self.layout,
-                               self.key, self.nbytes)  # fmt: skip
-        for i in range(fields):
-            base = FIXED_SLOTS + SLOTS_PER_FIELD * i
-            d = self.dims[i]
+        slots = [MAGIC, self.status, STAGE_CODES[self.stage], self.layout, self.key, self.nbytes]
+        for d in self.dims:
             if d is None:
-                slots[base] = -1
+                slots += _ABSENT
             elif isinstance(d, int):  # a scalar: ndim 0, then its value
-                slots[base + 1] = d
+                slots += (0, d, 0, 0, 0, 0, 0)
             else:
-                slots[base] = len(d)
-                slots[base + 1 : base + 1 + len(d)] = d
-        return struct.pack(f"={len(slots)}q", *slots)
+                slots += (len(d), *d, *_ZEROS[: MAX_DIMS - len(d)])
+        return _struct(len(slots)).pack(*slots)
 
     @classmethod
     def from_bytes(cls, raw: Any) -> Header:
@@ -99,7 +101,7 @@ class Header:
                 f"megapack header of {size} bytes fits no schema: TP ranks are out of step "
                 "(every TP rank must call get_batch_on_this_tp_rank once per micro-step)"
             )
-        v = struct.unpack(f"={size // 8}q", raw)
+        v = _struct(size // 8).unpack(raw)
         if v[0] != MAGIC:
             raise ProtocolError(
                 f"megapack header magic {v[0]:#x} != {MAGIC:#x}: TP ranks are out of step (every "
@@ -123,51 +125,75 @@ def signal(status: Status, stage: Stage, schema: Schema, nbytes: int = 0) -> Hea
                   dims=(None,) * len(schema.fields))  # fmt: skip
 
 
-def encode(
-    batch: Batch, schema: Schema, stage: Stage, device: torch.device
-) -> tuple[Header, torch.Tensor]:
-    """The header and the uint8 payload of ``batch`` (already this stage's CP share) for ``stage``.
+def encode(batch: Batch, schema: Schema, stage: Stage) -> tuple[Header, list[torch.Tensor]]:
+    """The header of ``batch`` (already this stage's CP share) for ``stage``, and the payload's
+    pieces: the stage's tensor fields in schema order, in their declared dtypes.
 
-    The payload is one new buffer on ``device``: built on the host with one memcpy a field when
-    the fields are host tensors (then, for a CUDA ``device``, one pinned asynchronous copy),
-    else concatenated on the device.
+    The transport lays the pieces out (`write_payload`, `payload_of`) where it sends them from,
+    so a large frame is copied once on the way out (into a local link's shared memory).
     """
     values = batch.values
-    stage_fields = {f.name for f in schema.by_stage[stage]}
     dims: list[tuple[int, ...] | int | None] = []
     pieces: list[torch.Tensor] = []
-    for f in schema.fields:
-        value = values.get(f.name) if f.name in stage_fields else None
+    nbytes = 0
+    for name, kind, dtype in _plan(schema, stage):
+        value = values.get(name) if kind else None
         if value is None:
             dims.append(None)
-        elif not f.is_tensor:
+        elif kind == _SCALAR:
             dims.append(int(value))
         else:
-            t = value if value.dtype == f.dtype else value.to(f.dtype)
-            dims.append(tuple(int(n) for n in t.shape))
+            t = value if value.dtype == dtype else value.to(dtype)
+            dims.append(tuple(t.shape))
             pieces.append(t)
-    payload = _assemble(pieces, device)
+            n = t.numel() * t.element_size()
+            nbytes += n + (-n % 8)
     header = Header(status=Status.OK, stage=stage, layout=batch.layout, key=schema.key,
-                    nbytes=int(payload.numel()), dims=tuple(dims))  # fmt: skip
-    return header, payload
+                    nbytes=nbytes, dims=tuple(dims))  # fmt: skip
+    return header, pieces
 
 
-def _assemble(pieces: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The pieces' bytes back to back, each at an 8-byte aligned offset (zero gaps)."""
+_SCALAR, _TENSOR = 1, 2
+
+
+@functools.cache
+def _plan(schema: Schema, stage: Stage) -> tuple[tuple[str, int, torch.dtype], ...]:
+    """(name, 0 not for this stage / scalar / tensor, dtype) of every schema field, looked up once."""
+    names = {f.name for f in schema.by_stage[stage]}
+    return tuple(
+        (f.name, 0 if f.name not in names else _TENSOR if f.is_tensor else _SCALAR, f.dtype)
+        for f in schema.fields
+    )
+
+
+@functools.cache
+def _views(schema: Schema) -> tuple[tuple[str, torch.dtype, int, Any], ...]:
+    """(name, dtype, item bytes, numpy dtype or None) of every schema field, looked up once."""
+    return tuple((f.name, f.dtype, f.dtype.itemsize, _NUMPY.get(f.dtype)) for f in schema.fields)
+
+
+def write_payload(pieces: list[torch.Tensor], out: memoryview) -> None:
+    """Lay host ``pieces`` out in ``out`` back to back, each at an 8-byte aligned offset (zero
+    gaps): one memcpy a piece."""
+    offset = 0
+    for t in pieces:
+        b = _bytes_of(t)
+        n = len(b)
+        out[offset : offset + n] = b
+        offset += n
+        if pad := min(-n % 8, len(out) - offset):  # (an error's message has no padding)
+            out[offset : offset + pad] = _ZERO_PAD[:pad]
+            offset += pad
+
+
+def payload_of(pieces: list[torch.Tensor], nbytes: int, device: torch.device) -> torch.Tensor:
+    """The payload of ``nbytes`` as one new uint8 buffer on ``device``: laid out on the host when
+    the pieces are host tensors (then, for a CUDA ``device``, one pinned asynchronous copy), else
+    concatenated on the device."""
     if all(t.is_cpu for t in pieces):
-        sizes = [t.numel() * t.element_size() for t in pieces]
-        host = torch.empty(sum(n + (-n % 8) for n in sizes), dtype=torch.uint8)
-        out, offset = host.numpy().data, 0  # memoryview copies: one memcpy each
-        for t, n in zip(pieces, sizes, strict=True):
-            if n:
-                out[offset : offset + n] = _bytes_of(t)
-            offset += n
-            if pad := -n % 8:
-                out[offset : offset + pad] = _ZERO_PAD[:pad]
-                offset += pad
-        if device.type == "cpu":
-            return host
-        return host.pin_memory().to(device, non_blocking=True)
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        write_payload(pieces, host.numpy().data)
+        return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
     chunks = []
     for t in pieces:
         raw = t.to(device, non_blocking=True).contiguous().view(-1).view(torch.uint8)
@@ -179,10 +205,10 @@ def _assemble(pieces: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """A host tensor's bytes (made contiguous first when strided)."""
-    t = t.contiguous()
     if t.dtype in _NUMPY:
-        return t.numpy().data.cast("B")
-    return t.view(-1).view(torch.uint8).numpy().data
+        a = t.numpy()
+        return (a if a.flags.c_contiguous else np.ascontiguousarray(a)).data.cast("B")
+    return t.contiguous().view(-1).view(torch.uint8).numpy().data
 
 
 def decode(
@@ -193,20 +219,17 @@ def decode(
     out: dict[str, Any] = dict.fromkeys(schema.output_keys)
     host = payload.numpy() if payload.is_cpu else None  # numpy views: several times cheaper
     offset = 0
-    for f, dims in zip(schema.fields, header.dims, strict=True):
+    for (name, dtype, itemsize, np_dtype), dims in zip(_views(schema), header.dims, strict=True):
         if dims is None:
             continue
         if isinstance(dims, int):  # a scalar field
-            out[f.name] = dims
+            out[name] = dims
             continue
-        size = math.prod(dims) * f.dtype.itemsize
-        np_dtype = _NUMPY.get(f.dtype)
+        size = math.prod(dims) * itemsize
         if host is not None and np_dtype is not None:
-            out[f.name] = torch.from_numpy(
-                host[offset : offset + size].view(np_dtype).reshape(dims)
-            )
+            out[name] = torch.from_numpy(host[offset : offset + size].view(np_dtype).reshape(dims))
         else:
-            out[f.name] = payload[offset : offset + size].view(f.dtype).view(dims)
+            out[name] = payload[offset : offset + size].view(dtype).view(dims)
         offset += size + (-size % 8)
     if header.layout == Layout.PACKED:
         out["packed_seq_params"] = make_packed_seq_params(

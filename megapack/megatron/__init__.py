@@ -1,5 +1,10 @@
-"""megatron-core integration: the GPT layer spec whose attention trains THD packed batches (`spec.py`)."""
+"""megatron-core integration: the GPT layer spec whose attention trains THD packed batches
+(`spec.py`) and the CP-aware losses a forward_step returns (`loss.py`).
 
+May import `megapack.attention`, `megapack.core` and megatron-core (lazily); never the delivery.
+"""
+
+from megapack.megatron.loss import clipped_policy_loss, masked_mean_loss
 from megapack.megatron.spec import packed_gpt_layer_spec
 
-__all__ = ["packed_gpt_layer_spec"]
+__all__ = ["clipped_policy_loss", "masked_mean_loss", "packed_gpt_layer_spec"]

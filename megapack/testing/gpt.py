@@ -1,7 +1,7 @@
 """Test data for the tiny GPT: the same documents laid out packed (THD) and padded (Megatron SFT).
 
-The model itself (`TinyGPT`, `init_weights`, `forward_step`, `masked_mean_loss`) lives in
-`megapack.models`; it is re-exported here so tests and examples can import everything from one place.
+The model itself (`TinyGPT`, `init_weights`, `forward_step`) lives in `megapack.models`, the loss
+in `megapack.megatron.loss`; it is re-exported here so tests and examples can import everything from one place.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from megapack.batch import PackedBatch
-from megapack.models import TinyGPT, forward_step, init_weights, masked_mean_loss
+from megapack.megatron.loss import masked_mean_loss
+from megapack.models import TinyGPT, forward_step, init_weights
 
 __all__ = [
     "TinyGPT",

@@ -48,18 +48,18 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
         )
     assert {(r["tp"], r["seq_len"]) for r in data["transfer"]} == {(2, 4096), (4, 4096)}
     for r in data["transfer"]:
-        timed = ("megapack_ms", "per_tensor_ms", "bare_megatron_ms", "bare_payload_ms")
+        timed = ("megapack_ms", "megapack_collectives_ms", "megapack_fields_ms", "per_tensor_ms",
+                 "bare_megatron_ms")  # fmt: skip
         assert all(r[k] > 0 for k in (*timed, "prefetch_step_ms", "compute_ms")), r
         assert r["prefetch_blocked_ms"] >= 0 and r["prefetch_step_ms"] >= r["compute_ms"], r
         stages = r["bytes_per_stage"]
         assert set(stages) == {"only", "first", "middle", "last", "mtp"}, stages
         assert stages["mtp"] == stages["only"], stages  # MTP layers need both ends' fields
         assert stages["middle"] < min(stages["first"], stages["last"]) <= stages["only"], stages
-        # the lean wire ships tokens to the last stage too (labels are rebuilt from them), so MTP
-        # (which also embeds tokens) costs at most the position_ids, which are derived when standard
-        assert stages["last"] <= stages["mtp"], stages
-        assert r["payload_bytes"] == stages["only"] and r["megatron_bytes"] > 0
-    assert "megapack / bare Megatron" in done.stdout and "Bytes per micro-batch" in done.stdout
+        assert r["payload_bytes"] == stages["only"] == r["megatron_bytes"], r  # fields in full
+        # three float32 per-token fields: 3 x 4 bytes a token more
+        assert r["fields_payload_bytes"] == r["payload_bytes"] + 3 * 4 * r["seq_len"], r
+    assert "megapack / bare" in done.stdout and "Bytes per micro-batch" in done.stdout
     modes = {(r["dataset"], r["mode"]) for r in data["throughput"]}
     assert modes == {
         (d, m)

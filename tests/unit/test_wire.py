@@ -20,6 +20,7 @@ from megapack.delivery.wire import (
     decode,
     encode,
     header_bytes,
+    payload_of,
     signal,
 )
 from megapack.errors import ProtocolError
@@ -40,7 +41,8 @@ def sample() -> PackedBatch:
 
 
 def roundtrip(item: object, stage: Stage, schema=SCHEMA) -> tuple[Header, torch.Tensor, dict]:  # type: ignore[no-untyped-def]
-    header, payload = encode(normalize(item, schema), schema, stage, CPU)
+    header, pieces = encode(normalize(item, schema), schema, stage)
+    payload = payload_of(pieces, header.nbytes, CPU)
     again = Header.from_bytes(header.to_bytes())  # what a peer parses
     assert again == header
     return header, payload, decode(again, payload, schema)
@@ -170,11 +172,14 @@ def test_declared_fields_roundtrip_bit_exact_in_their_dtypes() -> None:
     values = dict(normalize(item, SCHEMA).values)
     values |= {"logp": logp, "weight": torch.tensor([-0.0], dtype=torch.float16),
                "grid_thw": torch.tensor([[1, 2, 2], [1, 4, 4]], dtype=torch.int32)}  # fmt: skip
-    header, payload = encode(Batch(Layout.PACKED, values), schema, Stage.ONLY, CPU)
-    out = decode(Header.from_bytes(header.to_bytes()), payload, schema)
+    header, pieces = encode(Batch(Layout.PACKED, values), schema, Stage.ONLY)
+    out = decode(
+        Header.from_bytes(header.to_bytes()), payload_of(pieces, header.nbytes, CPU), schema
+    )
     assert out["logp"].dtype == torch.bfloat16
     assert torch.equal(out["logp"].view(torch.int16), logp.view(torch.int16))  # NaN included
     assert out["weight"].view(torch.int16).tolist() == [np.float16(-0.0).view(np.int16)]
     assert out["grid_thw"].tolist() == [[1, 2, 2], [1, 4, 4]]
-    first = decode(*encode(Batch(Layout.PACKED, values), schema, Stage.FIRST, CPU), schema)
+    h, p = encode(Batch(Layout.PACKED, values), schema, Stage.FIRST)
+    first = decode(h, payload_of(p, h.nbytes, CPU), schema)
     assert first["logp"] is None and first["grid_thw"] is not None and first["weight"] is not None
