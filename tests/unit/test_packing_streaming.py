@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megapack.bench.datasets import bundled_lengths_path
-from megapack.packing import Piece, StreamingPacker
+from megapack.packing import CostModel, Piece, StreamingPacker, plan
 from megapack.packing import streaming as streaming_module
 
 OPENCHAT = bundled_lengths_path()  # package data: always there, never skipped
@@ -151,3 +151,112 @@ def test_openchat_streaming_efficiency() -> None:
     bins = list(StreamingPacker(2048, buffer_size=1000).pack(lengths))
     assert sum(p.stop - p.start for b in bins for p in b) == sum(lengths)
     assert sum(lengths) / (len(bins) * 2048) > 0.99
+
+
+def test_state_dict_records_every_setting_and_the_progress() -> None:
+    """A saved state is read back by later runs: its keys and the defaults they record are part
+    of the format. The worked example takes two rounds and yields 15 tokens in 4 bins."""
+    packer = StreamingPacker(5, buffer_size=4)
+    assert [len(b) for b in packer.pack([4, 3, 2, 5, 1, 1])] == [1, 2, 2, 1]
+    state = packer.state_dict()
+    assert state["config"] == {
+        "capacity": 5, "buffer_size": 4, "algorithm": "bfd", "long_docs": "split", "seed": 0,
+        "search_steps": 1000, "balance": "token", "dp_size": 1, "micro_batches": 1,
+        "rows_per_micro_batch": 1, "balance_window": 8, "cost": None,
+    }  # fmt: skip
+    assert StreamingPacker(5).state_dict()["config"]["buffer_size"] == 1000
+    assert (state["version"], state["consumed"], state["rounds"]) == (1, 6, 2)
+    assert (state["buffer"], state["ready"], state["ordered"]) == ([], [], 0)
+    assert state["stats"] == {
+        "bins": 4, "tokens": 16, "split_docs": 0, "truncated_tokens": 0, "dropped_docs": 0,
+        "dropped_tokens": 0,
+    }  # fmt: skip
+    cost = CostModel(a=1, b=2)
+    balanced = StreamingPacker(5, balance="compute", cost=cost, dp_size=2, balance_window=3)
+    assert {k: balanced.state_dict()["config"][k] for k in ("balance", "cost", "dp_size")} == {
+        "balance": "compute", "cost": [1.0, 2.0], "dp_size": 2,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"^state version 99 != 1$"):
+        StreamingPacker(5).load_state_dict({"version": 99})
+
+
+def test_each_round_plans_with_its_own_seed() -> None:
+    """Round ``k`` of "best" plans with seed ``SeedSequence([seed, k])`` and the step budget, and
+    no time limit: one round (the whole stream fits the buffer) is that plan of the lengths."""
+    lengths = [18, 17, 20, 32, 33, 25, 28, 38, 25, 15, 4, 22, 10, 24, 2, 34, 37, 6, 32, 16, 2,
+               36, 37, 2, 24, 33, 31, 17, 34, 33]  # fmt: skip
+    for seed in (0, 5):
+        packer = StreamingPacker(64, buffer_size=100, algorithm="best", seed=seed, search_steps=300)
+        got = [[p.position for p in b] for b in packer.pack(lengths)]
+        round_seed = int(np.random.SeedSequence([seed, 0]).generate_state(1)[0])
+        want = plan(lengths, 64, algorithm="best", seed=round_seed, time_limit_s=None,
+                    max_search_steps=300)  # fmt: skip
+        assert got == [[d for d, _, _ in b] for b in want.bins]
+    assert StreamingPacker(5, search_steps=0).search_steps == 0
+
+
+def test_bins_at_least_99_percent_full_go_out_at_once() -> None:
+    """Capacity 100, buffer 2: round 1 plans [100] and [99]; 99 is 99% full, so both go out, and
+    the last document (1 token) gets a bin of its own."""
+    bins = list(StreamingPacker(100, buffer_size=2).pack([99, 100, 1]))
+    assert triples(bins) == [[(1, 0, 100)], [(0, 0, 99)], [(2, 0, 1)]]
+
+
+def test_the_emptiest_bins_wait_for_more_documents() -> None:
+    """Buffer 4 (half of it, 2 pieces, may wait): round 1 plans 80 | 70 | 60 | 50; the two
+    emptiest wait, 80 and 70 go out; at the end 60 and 50 go out."""
+    bins = list(StreamingPacker(100, buffer_size=4).pack([60, 50, 70, 80]))
+    assert triples(bins) == [[(3, 0, 80)], [(2, 0, 70)], [(0, 0, 60)], [(1, 0, 50)]]
+
+
+def test_a_piece_waits_at_most_max_wait_rounds() -> None:
+    """A 10 among documents of 100 never fills its bin; round ``k`` emits document ``k``, and in
+    round 8 the 10 (there since round 0) has waited `MAX_WAIT_ROUNDS` rounds and goes out too."""
+    bins = triples(StreamingPacker(100, buffer_size=2).pack([10] + [100] * 12))
+    assert streaming_module.MAX_WAIT_ROUNDS == 8
+    assert bins[:10] == [*[[(k, 0, 100)] for k in range(1, 9)], [(0, 0, 10)], [(9, 0, 100)]]
+
+
+def test_bad_settings_are_named() -> None:
+    for value in (True, 5.0, 0):
+        with pytest.raises(ValueError, match=f"^capacity must be an int >= 1, got {value!r}$"):
+            StreamingPacker(value)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^long_docs must be one of \('split', .*got 'fold'$"):
+        StreamingPacker(5, long_docs="fold")
+
+
+def test_a_state_saved_before_ordered_existed_resumes() -> None:
+    """States without "ordered" (older ones) resume as if no bin were already ordered."""
+    lengths = list(np.random.default_rng(3).integers(1, 30, 80))
+    cost = CostModel(a=1, b=1)
+
+    def make() -> StreamingPacker:
+        return StreamingPacker(32, buffer_size=16, balance="compute", dp_size=2, cost=cost,
+                               balance_window=2)  # fmt: skip
+
+    full = triples(make().pack(lengths))
+    first = make()
+    head = triples(itertools.islice(first.pack(lengths), 8))  # two whole windows of 2 x 2 bins
+    state = first.state_dict()
+    assert state["ordered"] == 0 and state["ready"]
+    del state["ordered"]
+    second = make()
+    second.load_state_dict(state)
+    assert head + triples(second.pack(lengths[state["consumed"] :])) == full
+
+
+def test_compute_windows_are_dealt_with_the_seed_and_the_bins_so_far() -> None:
+    """Each window is `compute_order` of its bins with seed ``(seed, bins yielded before it)``."""
+    from megapack.packing.balance import compute_order
+
+    lengths = list(np.random.default_rng(4).integers(1, 30, 40))
+    cost = CostModel(a=1, b=1)
+    layout = {"dp_size": 2, "micro_batches": 2, "rows_per_micro_batch": 1}
+    plain = StreamingPacker(32, buffer_size=100, **layout, cost=cost)
+    window = list(plain.pack(lengths))  # one round, fewer bins than one window of 8 x 4
+    for seed in (0, 3):
+        packer = StreamingPacker(32, buffer_size=100, balance="compute", seed=seed, **layout,
+                                 cost=cost)  # fmt: skip
+        costs = np.array([cost.row_cost([p.stop - p.start for p in b]) for b in window])
+        order = compute_order(np.arange(len(window)), costs, **layout, seed=(seed, 0))
+        assert triples(packer.pack(lengths)) == triples([window[i] for i in order])
