@@ -306,3 +306,63 @@ def test_balance_compare_plans_seed_reaches_best() -> None:
         costs = SQUARES.bin_costs(p.slices, p.bin_offsets)
         order = order_rows(costs, balance="token", **layout, seed=seed)
         assert r["imbalance_token_plan"] == imbalance(order, costs, **layout)
+
+
+def test_balance_order_rows_seeds() -> None:
+    """The token plan is ``default_rng(seed).permutation`` (a tuple seed, e.g. (seed, epoch), is
+    one entropy sequence); the compute plan balances that shuffle, seeding its layers with
+    ``(*seed, 13)``: a changed derivation would change every compute-balanced epoch."""
+    costs = np.random.default_rng(0).pareto(1.5, 50) + 1
+    layout = {"dp_size": 2, "micro_batches": 3}
+    for seed in (4, (4, 1)):
+        token = order_rows(costs, balance="token", **layout, seed=seed, pad=False)
+        assert token.tolist() == np.random.default_rng(seed).permutation(50).tolist()
+        padded = order_rows(costs, balance="token", **layout, seed=seed)
+        assert padded.tolist() == [*token.tolist(), -1, -1, -1, -1]  # 54 = 9 batches of 6
+        compute = order_rows(costs, balance="compute", **layout, seed=seed)
+        parts = (seed,) if isinstance(seed, int) else seed
+        assert (
+            compute.tolist() == compute_order(padded, costs, **layout, seed=(*parts, 13)).tolist()
+        )
+    assert order_rows(costs, balance="token", **layout).tolist() == (
+        order_rows(costs, balance="token", **layout, seed=0).tolist()
+    )
+    token = order_rows(costs, balance="token", **layout)
+    assert compute_order(token, costs, **layout).tolist() == (
+        compute_order(token, costs, **layout, seed=0).tolist()
+    )
+
+
+def test_balance_imbalance_edge_cases() -> None:
+    layout = {"dp_size": 2, "micro_batches": 1}
+    assert imbalance(np.arange(4), np.zeros(4), **layout) == 1.0  # nothing to balance
+    # costs below 1 count like any others: (0.5 / 0.3 + 0.2 / 0.15) / 2
+    small = np.array([0.5, 0.1, 0.2, 0.1])
+    assert imbalance(np.arange(4), small, **layout) == round((0.5 / 0.3 + 0.2 / 0.15) / 2, 12)
+    # rounded to 12 decimals, so equal plans compare equal whatever the summation order
+    assert imbalance(np.arange(4), np.array([8.0, 1, 8, 1]), dp_size=2, micro_batches=2) == round(
+        16 / 9, 12
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"rows_per_micro_batch": 0}, ValueError, r"^rows_per_micro_batch must be >= 1, got 0$"),
+        ({"micro_batches": 2.0}, TypeError, r"^micro_batches must be an int, got float 2\.0$"),
+        ({"dp_size": True}, TypeError, r"^dp_size must be an int, got bool True$"),
+        (
+            {"balance": "compute", "cost": "flops"},
+            TypeError,
+            r"^balance='compute' needs cost=CostModel\(\.\.\.\), got str; e\.g\. "
+            r"CostModel\.from_shape\(hidden=\.\.\., ffn=\.\.\., layers=\.\.\., heads=\.\.\., "
+            r"vocab=\.\.\.\)$",
+        ),
+    ],
+)
+def test_balance_check_names_the_argument(kwargs: dict, error: type, message: str) -> None:
+    from megapack.packing.balance import check_balance
+
+    args = {"balance": "token", "dp_size": 2, "micro_batches": 2, "rows_per_micro_batch": 1}
+    with pytest.raises(error, match=message):
+        check_balance(**{**args, "cost": None, **kwargs})
