@@ -162,7 +162,7 @@ def read_numpy(path: str | os.PathLike[str], *, eos_id: int | None = None) -> It
             )
         return documents_from_arrays(_npz_arrays(npz, file), source=file.name)
     except ValueError as e:
-        if "pickle" in str(e):
+        if _needs_pickle(e):
             raise _pickle_error(e, file) from e
         raise
 
@@ -173,10 +173,15 @@ def _npz_arrays(npz: Any, file: Path) -> Iterator[np.ndarray]:
         try:
             array = npz[key]
         except ValueError as e:
-            if "pickle" in str(e):
+            if _needs_pickle(e):
                 raise _pickle_error(e, file) from e
             raise
         yield array
+
+
+def _needs_pickle(error: ValueError) -> bool:
+    """numpy refused an array of Python objects: loading (``allow_pickle``) or memory-mapping it."""
+    return "pickle" in str(error) or "Python objects" in str(error)
 
 
 def _pickle_error(error: ValueError, file: Path) -> ValueError:

@@ -151,3 +151,77 @@ def test_file_errors(tmp_path: Path) -> None:
     text.write_text("1 2 3")
     with pytest.raises(ValueError, match=r"reads .npy or .npz files, not '.txt'"):
         read_numpy(text)
+
+
+def test_default_sources_and_the_dispatch_message() -> None:
+    assert [d.source for d in documents_from_array(TOKENS, offsets=[0, 2, 5])] == [
+        "array[0]", "array[1]",
+    ]  # fmt: skip
+    assert [d.source for d in documents_from_offsets(TOKENS, [0, 5])] == ["array[0]"]
+    assert [d.source for d in documents_from_eos(TOKENS, eos_id=6)] == ["array[0]", "array[1]"]
+    assert [d.source for d in documents_from_arrays([[1], [2, 3]])] == ["arrays[0]", "arrays[1]"]
+    with pytest.raises(TypeError, match=r"^array: tokens has dtype float64; token ids need"):
+        documents_from_eos(np.ones(3), eos_id=1)
+    hint = (
+        r"; give a 1-D array with offsets=\[0, \.\.\., len\] or eos_id=\.\.\. \(megapack CLI: "
+        r"--eos-id\), or a 2-D array with one row per document$"
+    )
+    with pytest.raises(ValueError, match=r"^array: cannot tell where documents end in an array "
+                       rf"of shape \(5,\) \(offsets not given, eos_id=None\){hint}"):  # fmt: skip
+        documents_from_array(TOKENS)
+    with pytest.raises(ValueError, match=rf"shape \(1, 5\) \(offsets given, eos_id=None\){hint}"):
+        documents_from_array(TOKENS.reshape(1, 5), offsets=[0, 5])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "offsets", "message"),
+    [
+        (TOKENS, [0, 1, 1], r"offsets\[2\] is 1 after 1; offsets must be strictly increasing "
+         r"\(an empty document has no tokens to train on: drop the repeat\)"),
+        (TOKENS, [0, 2, 9], r"offsets\[2\] is 9, past the end of tokens \(length 5\)"),
+        (TOKENS, [0, 5, 9], r"offsets\[2\] is 9, past the end of tokens \(length 5\)"),
+        (TOKENS, [0, 2, 3], r"offsets end at 3 but tokens has 5; the last 2 tokens would be lost "
+         r"\(append 5 to offsets\)"),
+        (TOKENS, [1, 5], r"offsets\[0\] is \[1\]; offsets start at 0 \(cu_seqlens style: \[0, "
+         r"len0, len0 \+ len1, \.\.\.\]\)"),
+        ([0, 5, -3], [0, 3], r"tokens\[2\] is -3; token ids must be >= 0"),
+    ],
+)  # fmt: skip
+def test_offset_errors_whole_messages(tokens: Any, offsets: list[int], message: str) -> None:
+    with pytest.raises(ValueError, match=f"^t: {message}$"):
+        documents_from_offsets(tokens, offsets, source="t")
+
+
+def test_loss_mask_shape_message() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"^array: loss_mask has shape \(2,\) but tokens has \(5,\); give one value per token$",
+    ):
+        documents_from_offsets(TOKENS, [0, 5], loss_mask=[1, 1])
+
+
+def test_object_arrays_are_refused_in_every_layout(tmp_path: Path) -> None:
+    """Python objects need pickle to load; every layout refuses them naming the file, numpy's
+    reason and the fix, instead of running pickled code."""
+    ragged = np.array([np.array([1]), np.array([1, 2])], dtype=object)
+    files = {"objects.npy": lambda p: np.save(p, ragged, allow_pickle=True),
+             "tokens.npz": lambda p: np.savez(p, tokens=ragged, offsets=np.array([0, 2])),
+             "listed.npz": lambda p: np.savez(p, np.array([3, 4]), ragged)}  # fmt: skip
+    reasons = {
+        "objects.npy": r"Array can't be memory-mapped: Python objects in dtype\.",  # .npy: mmap
+        "tokens.npz": r"Object arrays cannot be loaded when allow_pickle=False",
+        "listed.npz": r"Object arrays cannot be loaded when allow_pickle=False",
+    }
+    for name, write in files.items():
+        write(tmp_path / name)
+        with pytest.raises(
+            ValueError,
+            match=rf"^{tmp_path / name}: holds Python objects \({reasons[name]}\); save plain "
+            r"integer arrays instead, e\.g\. np\.savez\(path, \*arrays\)$",
+        ):
+            list(read_numpy(tmp_path / name))
+    np.savez(tmp_path / "plain.npz", np.array([3, 4]), np.array([5]))
+    assert [d.source for d in read_numpy(tmp_path / "plain.npz")] == [
+        "plain.npz[0]",
+        "plain.npz[1]",
+    ]
