@@ -40,7 +40,10 @@ WORK = ROOT / ".mutation"
 TESTS: dict[str, list[str]] = {
     "megapack/packing/*.py": ["tests/unit/test_packing*.py"],
     "megapack/data/pack_writer.py": ["tests/unit/test_data_pack_writer.py"],
-    "megapack/data/convert.py": ["tests/unit/test_data_convert.py"],
+    "megapack/data/convert.py": [
+        "tests/unit/test_data_convert.py",
+        "tests/unit/test_data_jsonl.py",
+    ],
     "megapack/data/layout.py": [
         "tests/unit/test_data_layout.py",
         "tests/unit/test_data_dataset.py",

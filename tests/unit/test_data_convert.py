@@ -184,3 +184,145 @@ def test_reader_read_one_way_only(tmp_path: Path) -> None:
     other.batches()
     with pytest.raises(ValueError, match="already read by batches"):
         next(other)
+
+
+class Counting:
+    """A `ByteTokenizer` that records every ``encode`` and ``encode_batch`` call."""
+
+    def __init__(self) -> None:
+        self.base = ByteTokenizer()
+        self.eos_id, self.pad_id, self.bos_id = 257, 256, 258
+        self.vocab_size = 259
+        self.single: list[str] = []
+        self.batched: list[list[str]] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.single.append(text)
+        return self.base.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        self.batched.append(list(texts))
+        return [self.base.encode(t) for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.base.decode(ids)
+
+
+def test_convert_rows_encodes_every_text_in_one_batch() -> None:
+    """The module's cost claim: one ``encode_batch`` call holds the plain rows' texts and the
+    chat contents; ``encode`` only sees what the template adds (role headers, each once)."""
+    chat = {"messages": [{"role": "user", "content": "question"},
+                         {"role": "assistant", "content": "answer"}]}  # fmt: skip
+    rows = [RawRow("d:1", {"text": "plain"}), RawRow("d:2", chat), RawRow("d:3", {"text": 7}),
+            RawRow("d:4", {"prompt": "p", "completion": "c"})]  # fmt: skip
+    tok = Counting()
+    batch = convert_rows(rows, tok, {})
+    assert (
+        unpack(batch)[1].tokens.tolist()
+        == record_to_document(chat, where="d:2", tokenizer=ByteTokenizer()).tokens.tolist()
+    )
+    assert tok.batched == [["plain", "p", "c", "question", "answer"]]
+    assert not {"plain", "p", "c", "question", "answer"} & set(tok.single)
+    assert len(tok.single) == len(set(tok.single))  # a header encoded once is reused
+
+
+def test_prefetched_answers_from_its_cache() -> None:
+    from megapack.data.convert import Prefetched, encode_all
+
+    tok = Counting()
+    cached = Prefetched(tok, ["a", "bc"])
+    assert tok.batched == [["a", "bc"]] and tok.single == []
+    assert cached.encode("bc") == [98, 99] and cached.encode("a") == [97] and tok.single == []
+    assert cached.encode("z") == [122] and cached.encode("z") == [122] and tok.single == ["z"]
+    given = Prefetched(tok, ["q"], [[7]])
+    assert given.encode("q") == [7] and len(tok.batched) == 1
+    assert (cached.vocab_size, cached.eos_id, cached.pad_id) == (tok.vocab_size, 257, 256)
+    assert cached.decode([104, 105]) == "hi"
+
+    class NoBatch:  # a minimal tokenizer: encode only
+        def encode(self, text: str) -> list[int]:
+            return [len(text)]
+
+    assert encode_all(NoBatch(), ["ab", "c"]) == [[2], [1]]  # type: ignore[arg-type]
+
+
+def test_convert_rows_ambiguous_and_partial_rows_match_record_to_document() -> None:
+    """Rows the fast path must leave to `record_to_document` (which explains what is wrong)."""
+    records = [{"text": "a", "prompt": "b"}, {"text": "a", "completion": "c"}, {"prompt": "p"},
+               {"completion": "c"}, {"text": " "}, {"prompt": "p", "completion": " "},
+               {"prompt": "p", "completion": "c", "messages": []}, {"text": ["x"]}]  # fmt: skip
+    rows = [RawRow(f"d:{i}", r) for i, r in enumerate(records)]
+    for options in ({}, {"format": "prompt_completion"}, {"format": "text"}):
+        got, want = (
+            unpack(convert_rows(rows, ByteTokenizer(), options)),
+            reference(rows, ByteTokenizer(), options),
+        )
+        assert [str(x) if isinstance(x, BadLineError) else x.tokens.tolist() for x in got] == [
+            str(x) if isinstance(x, BadLineError) else x.tokens.tolist() for x in want
+        ]
+
+
+class Zero(ByteTokenizer):
+    def encode(self, text: str) -> list[int]:
+        return [0] if text == "nul" else super().encode(text)
+
+
+def test_convert_rows_arrays_and_id_checks() -> None:
+    batch = convert_rows([RawRow("d:1", {"text": "nul"})], Zero(), {})  # id 0 is a token id
+    assert batch.tokens.tolist() == [0, 257]
+    assert (batch.tokens.dtype, batch.loss_mask.dtype, batch.offsets.dtype) == (
+        np.int64, np.float32, np.int64,
+    )  # fmt: skip
+    empty = convert_rows([RawRow("d:1", {"text": ""})], EmptyOnZz(), {})  # no document at all
+    assert (empty.tokens.dtype, empty.tokens.shape, empty.offsets.tolist()) == (np.int64, (0,), [0])
+    rows = [RawRow(f"d:{i}", {"text": t}) for i, t in enumerate(["ok", "fine", "bad"])]
+    with pytest.raises(ValueError, match=r"^Document from d:2: tokens\[0\] is -1"):
+        convert_rows(rows, Negative(), {})
+
+
+def test_document_batch_head_is_a_whole_batch_of_the_first_documents() -> None:
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    rows = [RawRow("d:1", chat), RawRow("d:2", {"text": "hi"}), RawRow("d:3", {"text": "yo"})]
+    batch = convert_rows(rows, ByteTokenizer(), {})
+    head = batch.head(2)
+    end = int(batch.offsets[2])
+    assert head.offsets.tolist() == batch.offsets[:3].tolist()
+    assert head.tokens.tolist() == batch.tokens[:end].tolist()
+    assert head.loss_mask.tolist() == batch.loss_mask[:end].tolist()
+    assert head.boundaries == batch.boundaries[:2] and head.boundaries[0] != ()
+    assert head.sources == ("d:1", "d:2") and head.errors == ()
+    assert [head.document(d).tokens.tolist() for d in range(2)] == [
+        batch.document(d).tokens.tolist() for d in range(2)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("raw", "first", "problem", "value", "hint"),
+    [
+        (b'{"text": "\xff"}', False, "invalid UTF-8", b'{"text": "\xff"}',
+         "bad byte at offset 10 of the line; re-encode the file as UTF-8"),
+        (b"{bad\r", False, "invalid JSON", "{bad",
+         "Expecting property name enclosed in double quotes at column 2; each line must be one "
+         "complete JSON object"),
+        (b'{"a": "\x01"}', False, "invalid JSON", '{"a": "\x01"}',
+         "Invalid control character at column 8; each line must be one complete JSON object"),
+        (b" [1, 2,", True, "invalid JSON", " [1, 2,",
+         "Expecting value at column 8; each line must be one complete JSON object (this looks "
+         "like a JSON array: write one element per line instead)"),
+        (b" [1, 2,", False, "invalid JSON", " [1, 2,",
+         "Expecting value at column 8; each line must be one complete JSON object"),
+        (b"\xef\xbb\xbf{bad", True, "invalid JSON", "{bad",
+         "Expecting property name enclosed in double quotes at column 2; each line must be one "
+         "complete JSON object"),
+    ],
+)  # fmt: skip
+def test_unreadable_lines_name_every_part(
+    raw: bytes, first: bool, problem: str, value: Any, hint: str
+) -> None:
+    with pytest.raises(BadLineError) as caught:
+        _record(RawRow("f.jsonl:3", raw, first))
+    error = caught.value
+    assert (error.where, error.field, error.problem, error.value, error.hint) == (
+        "f.jsonl:3", "<line>", problem, value, hint,
+    )  # fmt: skip
+    assert _record(RawRow("f.jsonl:1", b'\xef\xbb\xbf{"a": 1}', True)) == {"a": 1}
