@@ -13,7 +13,7 @@ padded mode puts one per row. It prints the loss and real (non-padding) tokens p
 
 With ``--cp N`` every CP rank holds 1/N of each row (``--cp-layout document`` pads every document
 to a multiple of 2*N; ``row`` needs only the row length to divide by 2*N). The loss of a CP rank is
-its share of the micro-batch mean (megapack.models.masked_mean_loss); without megatron-core's DDP
+its share of the micro-batch mean (megapack.megatron.loss.masked_mean_loss); without megatron-core's DDP
 here, gradients are averaged over the CP group by hand, as DDP does over dp x cp.
 """
 
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import megapack
 from megapack.megatron import packed_gpt_layer_spec
-from megapack.models import masked_mean_loss
+from megapack.megatron.loss import masked_mean_loss
 from megapack.packing import plan
 from megapack.quiet import quiet_megatron
 from megapack.testing.gpt import packed_micro_batch, padded_micro_batch

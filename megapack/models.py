@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import functools
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from megapack.core.fields import BatchField
 from megapack.cp import CpLayout
 from megapack.delivery.get_batch import get_batch_on_this_tp_rank
 from megapack.megatron.loss import masked_mean_loss
@@ -130,21 +132,39 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 def forward_step(
-    topology: Topology | None, data_iterator: Any, model: Any
+    topology: Topology | None,
+    data_iterator: Any,
+    model: Any,
+    *,
+    fields: Sequence[BatchField] = (),
+    loss: Callable[[dict[str, Any], Any], Any] | None = None,
+    embed: Callable[[Any, dict[str, Any]], torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """pretrain_gpt-style forward step: megapack delivers the batch, the model computes per-token loss.
 
     Use as ``functools.partial(forward_step, topology)`` for megatron-core's schedules.
+
+    Args:
+        fields: a trainer's own fields to deliver too (`megapack.BatchField`).
+        loss: ``loss(batch, cp_group)`` gives the schedule's loss function (default:
+            `megapack.megatron.loss.masked_mean_loss` of the batch's ``loss_mask``), e.g. a
+            clipped policy loss from delivered advantages and old log-probs.
+        embed: ``embed(model, batch)`` gives the first stage's ``decoder_input`` (e.g. token
+            embeddings plus image patch embeddings), or None to let the model embed.
     """
     if topology is None:
         topology = Topology.from_parallel_state()
-    batch = get_batch_on_this_tp_rank(data_iterator, topology=topology)
+    batch = get_batch_on_this_tp_rank(data_iterator, topology=topology, fields=fields)
+    decoder_input = embed(model, batch) if embed is not None else None
     output = model(
         batch["tokens"],
         batch["position_ids"],
         batch["attention_mask"],
+        decoder_input=decoder_input,
         labels=batch["labels"],
         packed_seq_params=batch["packed_seq_params"],
     )
     cp_group = topology.cp_group if topology.cp_size > 1 else None
+    if loss is not None:
+        return output, loss(batch, cp_group)
     return output, functools.partial(masked_mean_loss, batch["loss_mask"], cp_group=cp_group)

@@ -58,7 +58,7 @@ def clipped_policy_loss(
             f"must have the per-token loss's shape {tuple(per_token.shape)}: declare them per "
             "token for the last stage (megapack.BatchField(name, 'token', dtype, 'last'))"
         )
-    ratio = torch.exp(old_logprobs.float() - per_token.float())  # logp = -per_token
+    ratio = torch.exp(-per_token.float() - old_logprobs.float())  # logp = -per_token
     adv = advantages.float()
     surrogate = -torch.minimum(ratio * adv, ratio.clamp(1.0 - clip, 1.0 + clip) * adv)
     return _masked_mean(loss_mask, surrogate, cp_group)

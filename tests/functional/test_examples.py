@@ -67,3 +67,11 @@ def test_pretrain_example_trains_with_context_parallelism() -> None:
     assert out.startswith("packed: tp=1 pp=1 cp=2")
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 3 and losses[-1] < losses[0], out
+
+
+@pytest.mark.parametrize("grid", [["--pp", "2"], ["--cp", "2"]], ids=["pp2", "cp2"])
+def test_rl_example_runs_a_grpo_step_with_declared_fields(grid: list[str]) -> None:
+    out = torchrun(2, "rl_step_packed.py", *grid, "--steps", "3")
+    assert out.startswith("grpo: ") and "16 completions of 4 prompts" in out, out
+    losses = [float(x) for x in re.findall(r"policy loss ([+-]\d+\.\d+)", out)]
+    assert len(losses) == 3 and losses[-1] < losses[0], out  # the surrogate goes down

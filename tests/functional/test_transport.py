@@ -10,10 +10,12 @@ expectations. The error a peer receives must be exactly the source's, with nothi
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megapack import get_batch_on_this_tp_rank, lockstep
@@ -182,3 +184,38 @@ def test_stops_cleanly_and_lockstep_reuses_the_control_group(dist_pool: Any) -> 
         assert outcomes == ["StopIteration"] * 2
         assert steps_plus_new_groups == 9  # 3 x 3 steps, and no group created
         assert cached
+
+
+def _tensors_of(item: Any) -> list[Any]:
+    return [getattr(item, f.name) for f in dataclasses.fields(item)]
+
+
+def run_copies(mode: str) -> list[bool]:
+    """The source edits its batch in place after each call: nothing any rank got may change."""
+    with use_transport(mode):
+        topo = grid_topology(dist.get_world_size(), 1)
+        items = stream(2)
+        got = []
+        for item in items:
+            data = iter([item]) if topo.is_source else None
+            out = get_batch_on_this_tp_rank(data, topology=topo)
+            got.append({k: out[k].clone() for k in ("tokens", "labels", "loss_mask", "cu_seqlens")
+                        if out[k] is not None} | {"out": out})  # fmt: skip
+            if topo.is_source:  # the trainer reuses its buffers for the next batch
+                for value in item.values() if isinstance(item, dict) else _tensors_of(item):
+                    if isinstance(value, torch.Tensor) and value.is_floating_point():
+                        value.fill_(-7.0)
+                    elif isinstance(value, torch.Tensor):
+                        value.fill_(-7)
+        dist.barrier()
+    return [all(torch.equal(g[k], g["out"][k]) for k in g if k != "out") for g in got]
+
+
+@pytest.mark.parametrize("mode", ["auto", "collectives", "split"])
+@pytest.mark.parametrize("tp", [1, 2], ids=lambda t: f"tp{t}")
+def test_regression_delivered_tensors_are_copies_on_every_path(
+    dist_pool: Any, tp: int, mode: str
+) -> None:
+    if tp == 1 and mode != "auto":
+        pytest.skip("one rank has one path")
+    assert dist_pool.run(run_copies, tp, mode, timeout=60) == [[True] * len(stream(2))] * tp
