@@ -29,6 +29,7 @@ bytes per document (lengths, then the plan); not the corpus' tokens (see ``megap
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from array import array
@@ -122,6 +123,11 @@ class PackWriter:
                     "to continue it, or remove the directory to start over"
                 )
             state = json.loads(progress.read_text())
+            if state.get("version") != PROGRESS_VERSION:
+                raise ValueError(
+                    f"{progress} has version {state.get('version')!r}; this megapack resumes "
+                    f"version {PROGRESS_VERSION}: remove the directory to start over"
+                )
             saved = {"settings": state.get("settings"), "config": state.get("config")}
             mine = {"settings": self.settings, "config": self.config}
             for part in ("settings", "config"):
@@ -278,14 +284,15 @@ class PackWriter:
 
 
 def _write_header(path: Path, dtype: np.dtype[Any], count: int) -> None:
-    """Fill the reserved header of a raw-data .npy file: a 1-D array of ``count`` items."""
-    text = repr(
-        {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (count,)}
-    )
-    magic = b"\x93NUMPY\x01\x00"
-    room = HEADER_BYTES - len(magic) - 2
-    body = text.encode("latin1").ljust(room - 1) + b"\n"
-    if len(body) != room:
-        raise ValueError(f"{path}: .npy header {text!r} does not fit {HEADER_BYTES} bytes")
+    """Fill the reserved header of a raw-data .npy file: a 1-D array of ``count`` items, written
+    by numpy's own writer, so the file is byte for byte what ``np.save`` writes."""
+    header = io.BytesIO()
+    fields = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False}
+    np.lib.format.write_array_header_1_0(header, {**fields, "shape": (count,)})
+    if len(header.getvalue()) != HEADER_BYTES:
+        raise ValueError(
+            f"{path}: the .npy header of {count} items takes {len(header.getvalue())} bytes, "
+            f"not the {HEADER_BYTES} reserved"
+        )
     with open(path, "r+b") as handle:
-        handle.write(magic + room.to_bytes(2, "little") + body)
+        handle.write(header.getvalue())

@@ -49,10 +49,13 @@ def corpus(path: Path, n: int = 60) -> Path:
 
 
 def same_dirs(a: Path, b: Path) -> None:
+    """The same arrays and meta, and the same files byte for byte (the module's promise)."""
     for name in NAMES:
         x, y = np.load(a / f"{name}.npy"), np.load(b / f"{name}.npy")
         assert x.dtype == y.dtype and np.array_equal(x, y), name
     assert json.loads((a / "meta.json").read_text()) == json.loads((b / "meta.json").read_text())
+    for name in [*(f"{n}.npy" for n in NAMES), "meta.json"]:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
 @pytest.mark.parametrize(
@@ -233,8 +236,11 @@ def test_pack_writer_bad_arguments(tmp_path: Path) -> None:
         PackWriter(tmp_path, 8, long_docs="cut")
     with pytest.raises(ValueError, match=r"algorithm='fast'; choose one of"):
         PackWriter(tmp_path, 8, algorithm="fast")
-    with pytest.raises(ValueError, match="documents is empty"):
+    with pytest.raises(ValueError, match=r"^documents is empty: nothing to pack$"):
         PackWriter(tmp_path / "e", 8).write([])
+    for name in ("checkpoint_every", "buffer_tokens"):
+        with pytest.raises(ValueError, match=rf"^{name} must be an int >= 1, got 0$"):
+            PackWriter(tmp_path / "z", 8, **{name: 0})
 
 
 def test_pack_cli_resume_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -302,3 +308,101 @@ def test_pack_progress_plain_lines_without_a_terminal() -> None:
     progress.update(5, 50)
     progress.close()
     assert "pack" in bar.getvalue() and "5" in bar.getvalue()
+
+
+def test_pack_writer_defaults_and_a_nested_output(tmp_path: Path) -> None:
+    writer = PackWriter(tmp_path / "a" / "b" / "packed", 8)  # parents are created
+    assert (writer.checkpoint_every, writer.buffer_tokens) == (100_000, 1 << 16)
+    docs = [Document(tokens=[1, 2, 3], loss_mask=[1, 1, 1])]
+    assert writer.write(docs)["documents"] == 1
+
+
+def test_pack_writer_writes_whenever_buffer_tokens_are_held(tmp_path: Path) -> None:
+    """``buffer_tokens``: tokens held before a write, so memory stays bounded. One-token
+    documents and a buffer of 4: the held arrays go out at documents 4, 8 and 12; batches of two
+    documents: at every second batch. (What is held is the writer's own buffer: the file object's
+    buffering is the operating system's business.)"""
+    docs = [Document(tokens=[d], loss_mask=[1]) for d in range(13)]
+    for batch, want in ((0, [1, 2, 3, 0] * 3 + [1]), (2, [2, 0] * 3 + [1])):
+        writer = PackWriter(tmp_path / f"b{batch}", 8, buffer_tokens=4)
+        held: list[int] = []
+
+        def record(
+            documents: int, tokens: int, writer: PackWriter = writer, held: list = held
+        ) -> None:
+            held.append(sum(len(part) for part in writer._buffers["tokens"]))
+
+        writer.write(iter(docs) if batch == 0 else batched(docs, batch), on_progress=record)
+        assert held == want
+
+
+def test_pack_writer_config_takes_any_value_and_compares_every_key(tmp_path: Path) -> None:
+    """The config is stored as JSON (values that are not JSON, e.g. paths or `Fields`, as
+    their text); a key added or removed between runs is a different configuration."""
+    from megapack.data import Fields
+
+    src = corpus(tmp_path / "d.jsonl")
+    config = {"input": src, "fields": Fields(text="body")}
+    first = PackWriter(tmp_path / "out", 128, checkpoint_every=5, config=config)
+    assert first.config == {"input": str(src), "fields": str(Fields(text="body"))}
+    with pytest.raises(KeyboardInterrupt):
+        first.write(interrupted(read_jsonl(src, skip_bad=True), 12))
+    for other, message in [
+        ({**config, "shard": (0, 2)}, r"started with shard=None, this run has shard=\[0, 2\]"),
+        (
+            {"input": src},
+            r"started with fields=.Fields\(text='body'.*\)., this run has fields=None",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            PackWriter(tmp_path / "out", 128, resume=True, checkpoint_every=5, config=other)
+    cp = PackWriter(tmp_path / "cp", 8, cp_size=2, checkpoint_every=1)  # padding multiple 4
+    with pytest.raises(KeyboardInterrupt):
+        cp.write(interrupted(iter([Document(tokens=[1, 2], loss_mask=[1, 1])] * 3), 2))
+    with pytest.raises(  # the same multiple, lcm(4, 2 * 2), from another setting
+        ValueError, match="started with pad_to_multiple_of=1, this run has pad_to_multiple_of=4"
+    ):
+        PackWriter(tmp_path / "cp", 8, cp_size=2, pad_to_multiple_of=4, resume=True)
+    assert PackWriter(tmp_path / "out", 128, resume=True, config=config).rows_done == 10
+
+
+def test_pack_writer_resume_edge_cases(tmp_path: Path) -> None:
+    """A crash while finishing (meta.json beside progress.json) redoes the end; an older
+    progress.json without the input counters resumes counting from there; another version, or a
+    finished pack, is refused with the fix."""
+    docs = [Document(tokens=np.arange(1, n + 1), loss_mask=np.ones(n)) for n in range(1, 25)]
+    out = tmp_path / "out"
+    writer = PackWriter(out, 32, checkpoint_every=4)
+    with pytest.raises(KeyboardInterrupt):
+        writer.write(interrupted(iter(docs), 10))  # checkpoints after 4 and 8 documents
+    (out / "meta.json").write_text("{}")  # the end had begun
+    progress = json.loads((out / "progress.json").read_text())
+    for key in ("input_documents", "split_documents"):
+        del progress[key]
+    (out / "progress.json").write_text(json.dumps(progress))
+    again = PackWriter(out, 32, resume=True, checkpoint_every=4)
+    assert not (out / "meta.json").exists() and again.rows_done == 8
+    meta = again.write(iter(docs[8:]))
+    assert (meta["documents"], meta["input_documents"], meta["split_documents"]) == (24, 16, 0)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [*(f"{n}.npy" for n in NAMES), "meta.json"]
+    )  # lengths.partial and progress.json are gone
+    with pytest.raises(
+        ValueError,
+        match=rf"^{out} already holds a finished pack \(meta\.json\): choose another --out or "
+        "remove it$",
+    ):
+        PackWriter(out, 32)
+    (out / "progress.json").write_text(json.dumps({**progress, "version": 2}))
+    with pytest.raises(
+        ValueError,
+        match=rf"^{out / 'progress.json'} has version 2; this megapack resumes version 1: remove "
+        "the directory to start over$",
+    ):
+        PackWriter(out, 32, resume=True)
+    with pytest.raises(
+        ValueError,
+        match=rf"^{out} holds an unfinished pack \({out / 'progress.json'}\): pass --resume "
+        r"\(resume=True\) to continue it, or remove the directory to start over$",
+    ):
+        PackWriter(out, 32)
