@@ -49,7 +49,10 @@ TESTS: dict[str, list[str]] = {
         "tests/unit/test_data_dataset.py",
         "tests/unit/test_data_pack_writer.py",
     ],
-    "megapack/data/dataset.py": ["tests/unit/test_data_dataset.py"],
+    "megapack/data/dataset.py": [
+        "tests/unit/test_data_dataset.py",
+        "tests/unit/test_data_pack_writer.py",  # byte for byte against PackedDataset.save
+    ],
     "megapack/data/split.py": ["tests/unit/test_data_split.py"],
     "megapack/data/arrays.py": ["tests/unit/test_data_arrays.py"],
     "megapack/data/tables.py": ["tests/unit/test_data_parquet.py"],

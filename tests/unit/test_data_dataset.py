@@ -166,3 +166,104 @@ def test_a_spent_read_documents_iterator_is_named_as_the_cause(tmp_path: Path) -
         PackedDataset(docs, 64)  # the same iterator, already consumed
     reusable = list(read_documents(path))
     assert len(PackedDataset(reusable, 64)) == len(PackedDataset(reusable, 64)) == 1
+
+
+def test_rows_carry_each_documents_loss_mask_and_the_pad_id() -> None:
+    """Documents [5, 6, 7] (mask 0 1 1: the first token is a prompt) and [8, 9] (mask 1 0), seq_len
+    8, pad id 3: one row. A position is learned when the token it predicts is: 5->6 and 6->7;
+    8->9 is not (9 is masked), and no position predicts across a document or into padding."""
+    docs = [Document(tokens=[5, 6, 7], loss_mask=[0, 1, 1], source="a"),
+            Document(tokens=[8, 9], loss_mask=[1, 0], source="b")]  # fmt: skip
+    ds = PackedDataset(docs, 8, pad_token_id=3)
+    batch = ds[0]
+    assert batch.tokens[0].tolist() == [5, 6, 7, 8, 9, 3, 3, 3]
+    assert batch.labels[0].tolist() == [6, 7, 3, 9, 3, 3, 3, 3]
+    assert batch.loss_mask[0].tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
+    assert batch.cu_seqlens.tolist() == [0, 3, 5, 8]
+    with pytest.raises(
+        IndexError, match=r"^PackedDataset index 1 out of range for 1 micro-batches$"
+    ):
+        ds[1]
+    assert [b.tokens.tolist() for b in ds.iterate()] == [b.tokens.tolist() for b in ds]
+
+
+def test_filler_micro_batches_are_whole_zero_loss_rows() -> None:
+    """Two ranks, one row: rank 1 gets a filler micro-batch of seq_len padding tokens."""
+    docs = [Document(tokens=[5, 6, 7], loss_mask=[1, 1, 1])]
+    filler = PackedDataset(docs, 8, dp_rank=1, dp_size=2, pad_token_id=3, pad_to_multiple_of=4)[0]
+    assert filler.tokens[0].tolist() == [3] * 8 and filler.loss_mask[0].tolist() == [0.0] * 8
+    assert filler.cu_seqlens.tolist() == [0, 8]
+    two = PackedDataset(docs * 3, 4, rows_per_micro_batch=2, pad_token_id=3)  # 3 rows + filler
+    assert [b.tokens.shape[1] for b in two] == [8, 8]
+    last = two[1]  # the shuffled order is padded at the end: [row, row], [row, filler]
+    assert last.tokens[0, 4:].tolist() == [3] * 4 and last.loss_mask[0, 4:].sum() == 0
+
+
+def test_meta_records_the_settings_and_counts() -> None:
+    docs = [Document(tokens=np.arange(1, n + 1), loss_mask=np.ones(n)) for n in (10, 8, 3, 20)]
+    meta = PackedDataset(docs, 8).meta  # 10 -> 8 + 2 and 20 -> 8 + 8 + 4; 8 fits exactly
+    assert (meta["input_documents"], meta["split_documents"], meta["documents"]) == (4, 2, 7)
+    assert (meta["pad_to_multiple_of"], meta["seed"], meta["cp_size"]) == (1, 0, 1)
+    assert PackedDataset(docs, 8, cp_size=2, long_docs="truncate").meta["cp_size"] == 2
+    truncated = PackedDataset(docs, 8, long_docs="truncate").meta
+    assert (truncated["input_documents"], truncated["split_documents"]) == (4, 0)
+
+
+def test_compute_balance_deals_rows_by_their_cost(tmp_path: Path) -> None:
+    """``balance="compute"``: each epoch's order is `order_rows` of the rows' costs, seeded with
+    (seed, epoch); loading the directory with the same settings deals the same rows."""
+    from megapack.packing import CostModel
+    from megapack.packing.balance import order_rows
+
+    docs = corpus(60)
+    cost = CostModel(a=1, b=1)
+    layout = {"dp_size": 2, "micro_batches": 2, "rows_per_micro_batch": 1}
+    ds = PackedDataset(docs, 64, seed=3, balance="compute", cost=cost, **layout)
+    costs = cost.bin_costs(ds._arrays["slices"], ds._arrays["bin_offsets"])
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        want = order_rows(costs, balance="compute", **layout, seed=(3, epoch))
+        assert ds.order().tolist() == want.tolist()
+    token = PackedDataset(docs, 64, seed=3, **layout)
+    rows = int(token.meta["rows"])
+    shuffle = np.random.default_rng((3, 0)).permutation(rows).tolist()
+    assert token.order().tolist() == shuffle + [-1] * (-rows % 4)
+    ds.save(tmp_path / "p")
+    loaded = PackedDataset.load(tmp_path / "p", balance="compute", cost=cost, **layout)
+    assert (
+        loaded.order().tolist()
+        == order_rows(costs, balance="compute", **layout, seed=(3, 0)).tolist()
+    )
+    with pytest.raises(TypeError, match=r"^balance='compute' needs cost=CostModel"):
+        PackedDataset(docs, 64, balance="compute")
+    with pytest.raises(
+        ValueError, match=r"^balance='flops'; choose one of \('token', 'compute'\)$"
+    ):
+        PackedDataset(docs, 64, balance="flops")
+    with pytest.raises(ValueError, match=r"^dp_size must be an int >= 1, got 0$"):
+        PackedDataset(docs, 64, dp_size=0)
+
+
+def test_save_and_load_details(tmp_path: Path) -> None:
+    """save makes parent folders and may write over a directory; meta.json is indented JSON;
+    load pads with the saved pad id (0 for a meta without one) unless told otherwise, serves
+    one row per micro-batch by default, and refuses another format version."""
+    import json
+
+    docs = [Document(tokens=[5, 6, 7], loss_mask=[1, 1, 1])] * 3
+    ds = PackedDataset(docs, 4, pad_token_id=9)
+    out = ds.save(tmp_path / "a" / "b")
+    ds.save(out)  # again: the same directory
+    assert (out / "meta.json").read_text() == json.dumps(ds.meta, indent=2) + "\n"
+    assert len(PackedDataset.load(out)) == 3
+    assert PackedDataset.load(out)[0].tokens[0].tolist() == [5, 6, 7, 9]
+    assert PackedDataset.load(out, pad_token_id=1)[0].tokens[0].tolist() == [5, 6, 7, 1]
+    meta = json.loads((out / "meta.json").read_text())
+    del meta["pad_token_id"]
+    (out / "meta.json").write_text(json.dumps(meta))
+    assert PackedDataset.load(out)[0].tokens[0].tolist() == [5, 6, 7, 0]
+    (out / "meta.json").write_text(json.dumps({**meta, "version": 2}))
+    with pytest.raises(
+        ValueError, match=rf"^{out / 'meta.json'}: format version 2, this megapack reads 1$"
+    ):
+        PackedDataset.load(out)
