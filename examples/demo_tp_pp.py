@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import megapack
-from megapack.quiet import quiet_megatron
+from megapack.core.quiet import quiet_megatron
 
 
 def sft_batches(mbs: int, seq_len: int, steps: int, seed: int) -> list[dict[str, torch.Tensor]]:

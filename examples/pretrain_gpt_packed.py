@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 
 import megapack
+from megapack.core.quiet import quiet_megatron
 from megapack.megatron import packed_gpt_layer_spec
 from megapack.megatron.loss import masked_mean_loss
 from megapack.packing import plan
-from megapack.quiet import quiet_megatron
 from megapack.testing.gpt import packed_micro_batch, padded_micro_batch
 
 

@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 
 import megapack
+from megapack.core.quiet import quiet_megatron
+from megapack.harness.gpt import TinyGPT, init_weights
 from megapack.megatron.loss import clipped_policy_loss
-from megapack.models import TinyGPT, init_weights
 from megapack.packing import plan
-from megapack.quiet import quiet_megatron
 
 RL_FIELDS = (
     megapack.BatchField("advantages", "token", torch.float32, "last"),

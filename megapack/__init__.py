@@ -15,39 +15,39 @@ logging.getLogger("megapack").addHandler(
 )  # the application configures logging
 
 if TYPE_CHECKING:
-    from megapack.align import align_by_kind
-    from megapack.comm import long_operation
     from megapack.core.batch import PackedBatch
-    from megapack.core.fields import BUILTIN_FIELDS, BatchField
-    from megapack.delivery.get_batch import get_batch_on_this_tp_rank
-    from megapack.delivery.prefetch import Prefetcher, prefetch
-    from megapack.errors import (
+    from megapack.core.errors import (
         CollectiveError,
         DesyncError,
         ProtocolError,
         RemoteDataError,
         RemoteRankError,
     )
-    from megapack.sync import check_in_sync, lockstep
-    from megapack.topology import Stage, Topology
+    from megapack.core.fields import BUILTIN_FIELDS, BatchField, Stage
+    from megapack.delivery.get_batch import get_batch_on_this_tp_rank
+    from megapack.delivery.prefetch import Prefetcher, prefetch
+    from megapack.distributed.comm import long_operation
+    from megapack.distributed.sync import check_in_sync, lockstep
+    from megapack.distributed.topology import Topology
+    from megapack.packing.align import align_by_kind
 
 _EXPORTS = {
     "BUILTIN_FIELDS": "megapack.core.fields",
     "BatchField": "megapack.core.fields",
-    "CollectiveError": "megapack.errors",
-    "DesyncError": "megapack.errors",
+    "CollectiveError": "megapack.core.errors",
+    "DesyncError": "megapack.core.errors",
     "PackedBatch": "megapack.core.batch",
     "Prefetcher": "megapack.delivery.prefetch",
-    "ProtocolError": "megapack.errors",
-    "RemoteDataError": "megapack.errors",
-    "RemoteRankError": "megapack.errors",
-    "Stage": "megapack.topology",
-    "Topology": "megapack.topology",
-    "align_by_kind": "megapack.align",
-    "check_in_sync": "megapack.sync",
+    "ProtocolError": "megapack.core.errors",
+    "RemoteDataError": "megapack.core.errors",
+    "RemoteRankError": "megapack.core.errors",
+    "Stage": "megapack.core.fields",
+    "Topology": "megapack.distributed.topology",
+    "align_by_kind": "megapack.packing.align",
+    "check_in_sync": "megapack.distributed.sync",
     "get_batch_on_this_tp_rank": "megapack.delivery.get_batch",
-    "lockstep": "megapack.sync",
-    "long_operation": "megapack.comm",
+    "lockstep": "megapack.distributed.sync",
+    "long_operation": "megapack.distributed.comm",
     "prefetch": "megapack.delivery.prefetch",
 }
 """Public name -> the module defining it, imported on first access."""
@@ -76,7 +76,9 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:  # a submodule, e.g. `import megapack; megapack.comm.collective_timeout()`
+    if (
+        module is None
+    ):  # a submodule, e.g. `import megapack; megapack.distributed.comm.collective_timeout()`
         try:
             return importlib.import_module(f"megapack.{name}")
         except ModuleNotFoundError as e:

@@ -1,6 +1,6 @@
 """Context-parallel (CP) attention for megapack's kernels: all-gather K/V, attend from global positions.
 
-With cp > 1 every CP rank holds 1/cp of each packed row (`megapack.cp.cp_indices`: zigzag chunks of
+With cp > 1 every CP rank holds 1/cp of each packed row (`megapack.core.cp.cp_indices`: zigzag chunks of
 every document, or of the whole row), while the boundaries (``cu_seqlens``, ``cu_seqlens_padded``)
 stay those of the whole row. For the flash_attn, torch_varlen, flex and sdpa backends megapack
 computes attention itself, in three steps:
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from megapack.attention.cp_kernels import CROSS_KERNELS
 from megapack.attention.flex import interval_block_mask, intervals, run_flex
-from megapack.cp import CpLayout, cp_indices
+from megapack.core.cp import CpLayout, cp_indices
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from megapack.attention.documents import Documents
 from megapack.attention.kernels import KERNELS, sbhd_attention
 from megapack.attention.rope import RopeTables, apply_rope, handed_over
 from megapack.attention.te import te_attention
-from megapack.cp import CP_LAYOUTS, CpLayout
+from megapack.core.cp import CP_LAYOUTS, CpLayout
 
 
 class PackedAttention(torch.nn.Module):
@@ -49,7 +49,7 @@ class PackedAttention(torch.nn.Module):
         softmax_scale: defaults to 1 / sqrt(head dim).
         backend: one of `BACKENDS` or ``"auto"`` (resolved per device on first use).
         cp_layout: how packed rows are split over context-parallel ranks ("document" or "row",
-            as in `megapack.cp`); only read when the CP group has more than one rank.
+            as in `megapack.core.cp`); only read when the CP group has more than one rank.
 
     Context parallelism: the CP group is ``packed_seq_params.cp_group``, else ``pg_collection.cp``,
     else megatron-core's parallel state. With more than one CP rank, Transformer Engine runs its
@@ -209,7 +209,7 @@ class PackedAttention(torch.nn.Module):
 
 
 def _mpu_tp_size() -> int:
-    from megapack.quiet import quiet_megatron
+    from megapack.core.quiet import quiet_megatron
 
     with quiet_megatron():
         from megatron.core import parallel_state

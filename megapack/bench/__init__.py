@@ -229,7 +229,7 @@ class _Runner:
                 return []
             return list(fn(*args))
         if self.pool is None:
-            from megapack.launch import WorkerPool
+            from megapack.harness.pool import WorkerPool
 
             self.pool = WorkerPool(
                 size=self.size,

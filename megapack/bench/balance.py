@@ -77,9 +77,9 @@ def run_balance(lengths: list[int], long_tail_n: int, seed: int = 0) -> list[dic
 
 
 def _model_kit() -> tuple[Any, Any, Any, Any]:
-    """The tiny GPT and its helpers (megapack.models, not megapack.testing)."""
-    from megapack.megatron_cpu import megatron_on_cpu
-    from megapack.models import TinyGPT, forward_step, init_weights
+    """The tiny GPT and its helpers (megapack.harness.gpt, not megapack.testing)."""
+    from megapack.harness.gpt import TinyGPT, forward_step, init_weights
+    from megapack.harness.megatron_cpu import megatron_on_cpu
 
     return TinyGPT, forward_step, init_weights, megatron_on_cpu
 
@@ -99,10 +99,10 @@ def run_balance_timing(
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megapack.batch import PackedBatch
+    from megapack.core.batch import PackedBatch
+    from megapack.distributed.topology import Topology
     from megapack.packing import plan
     from megapack.packing.balance import order_rows, rank_costs
-    from megapack.topology import Topology
 
     tiny_gpt, forward_step, init_weights, megatron_on_cpu = _model_kit()
     megatron_on_cpu()

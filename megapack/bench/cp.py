@@ -1,7 +1,7 @@
 """Context-parallel padding benchmark: what each CP layout costs in padding and rows.
 
 The "document" layout (Transformer Engine's fused THD CP attention) needs every document padded
-to a multiple of 2 * cp; rows are then planned on the padded lengths (`megapack.cp.cp_pad_multiple`,
+to a multiple of 2 * cp; rows are then planned on the padded lengths (`megapack.core.cp.cp_pad_multiple`,
 as `PackedDataset(cp_size=...)` does). The "row" layout (Megatron-LM's per-sequence balancing)
 needs only the row length to divide by 2 * cp, which any seq_len of a power of two does: no
 padding beyond packing. Reported per layout and cp: padding tokens (and their share of the real
@@ -22,7 +22,7 @@ def run_cp_padding(
     lengths: Sequence[int], seq_len: int, cps: Sequence[int] = CP_SIZES
 ) -> list[dict[str, Any]]:
     """One row for plain packing (layout "none", cp 1), then one per layout and cp."""
-    from megapack.cp import cp_pad_multiple
+    from megapack.core.cp import cp_pad_multiple
     from megapack.packing import plan
 
     real = np.asarray(lengths, dtype=np.int64)

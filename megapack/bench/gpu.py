@@ -5,7 +5,7 @@ The kit's section (d) (``bash scripts/gpu_check.sh``, `megapack.bench.gpu_kit`).
 `megapack.bench.gpu_model.PRESET` GPT (0.84B, bf16 through ``Float16Module``) with megatron-core's
 ``get_forward_backward_func`` schedule; every micro-batch reaches the model through
 `megapack.get_batch_on_this_tp_rank` (tp=1) inside the pretrain_gpt-style
-`megapack.models.forward_step`. The same documents are laid out three ways
+`megapack.harness.gpt.forward_step`. The same documents are laid out three ways
 (`megapack.bench.throughput.micro_batches`, ``rows`` rows or documents per micro-batch):
 
 * ``packed``: BFD rows of ``seq_len``, THD;
@@ -111,7 +111,7 @@ def run_gpu_throughput(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megapack.models import forward_step
+    from megapack.harness.gpt import forward_step
 
     schedule = get_forward_backward_func()
     step_fn = functools.partial(forward_step, topology)

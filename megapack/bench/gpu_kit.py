@@ -17,7 +17,7 @@ Every step's exception becomes a failed check and the next step runs; the report
 check failed (the report is complete either way), anything else when the process itself died.
 
 ``--dry-run`` runs the same steps on CPU (gloo, megatron-core redirected by
-`megapack.megatron_cpu`) at `DRY` sizes in fp32 (bf16 for step 4): the CUDA-only checks (syncs,
+`megapack.harness.megatron_cpu`) at `DRY` sizes in fp32 (bf16 for step 4): the CUDA-only checks (syncs,
 the targets, backends without a CPU kernel) are skipped with their reason. It takes ~15-25 s on 2 cores.
 """
 
@@ -146,13 +146,13 @@ def run_kit(out: Path, *, dry_run: bool, sizes: KitSizes | None = None, seed: in
 
 
 def _set_up(device: torch.device, seed: int) -> list[Check]:
-    from megapack.quiet import quiet_megatron
+    from megapack.core.quiet import quiet_megatron
 
     with quiet_megatron():
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     if device.type == "cpu":
-        from megapack.megatron_cpu import megatron_on_cpu
+        from megapack.harness.megatron_cpu import megatron_on_cpu
 
         megatron_on_cpu(force=True)
     else:

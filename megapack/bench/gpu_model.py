@@ -112,10 +112,10 @@ def build_gpt(
 
     megatron-core's ``parallel_state`` must be initialized and its RNG seeded
     (``model_parallel_cuda_manual_seed``). On CUDA the weights are initialized on the device; on CPU
-    with ``use_cpu_initialization`` (and `megapack.megatron_cpu.megatron_on_cpu` applied first).
+    with ``use_cpu_initialization`` (and `megapack.harness.megatron_cpu.megatron_on_cpu` applied first).
     ``variable_seq_lengths`` is on: padding to each micro-batch's longest changes the shape.
     """
-    from megapack.quiet import quiet_megatron
+    from megapack.core.quiet import quiet_megatron
 
     with quiet_megatron():
         return _build(shape, device, dtype, max_sequence_length, backend)

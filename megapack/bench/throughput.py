@@ -1,7 +1,7 @@
 """Throughput benchmark: real (non-padding) tokens per second, packed vs padded, same documents and model.
 
 Runs on every rank of a tp x pp grid (megatron-core ``parallel_state``), training megapack's tiny
-GPT (`megapack.models.TinyGPT`, `packed_gpt_layer_spec`) through megatron-core's schedule with
+GPT (`megapack.harness.gpt.TinyGPT`, `packed_gpt_layer_spec`) through megatron-core's schedule with
 batches from `megapack.get_batch_on_this_tp_rank`. One step = one schedule call over the same
 documents in every mode:
 
@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megapack.batch import PackedBatch
-from megapack.models import TinyGPT, forward_step, init_weights
+from megapack.core.batch import PackedBatch
+from megapack.harness.gpt import TinyGPT, forward_step, init_weights
 
 MODES = ("packed", "padded_fixed", "padded_longest")
 
@@ -84,7 +84,7 @@ def run_throughput(
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """On every rank of a tp x pp world: median real tokens/s per dataset and mode (rank 0's list)."""
-    from megapack.quiet import quiet_megatron
+    from megapack.core.quiet import quiet_megatron
 
     with quiet_megatron():  # megatron's known-harmless warnings, at import and while training
         return _run_throughput(tp, pp, datasets, seq_len, rows, steps, warmup, seed)
@@ -104,11 +104,11 @@ def _run_throughput(
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megapack.topology import Topology
+    from megapack.distributed.topology import Topology
 
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     if not cuda:
-        from megapack.megatron_cpu import megatron_on_cpu
+        from megapack.harness.megatron_cpu import megatron_on_cpu
 
         megatron_on_cpu()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

@@ -50,8 +50,8 @@ from megapack.delivery.get_batch import get_batch_on_this_tp_rank
 from megapack.delivery.prefetch import prefetch
 from megapack.delivery.transport import use_transport
 from megapack.delivery.wire import encode
-from megapack.grid import grid_topology
-from megapack.topology import Topology
+from megapack.distributed.grid import grid_topology
+from megapack.distributed.topology import Topology
 
 METHODS = ("megapack", "megapack_collectives", "megapack_fields", "per_tensor", "bare_megatron")
 RL_FIELDS = tuple(

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from megapack.checks import check_int
+from megapack.core.checks import check_int
 from megapack.core.extras import check_extras, document_extras, join_rows
 from megapack.core.fields import CU_DTYPE, MASK_DTYPE, TOKEN_DTYPE, BatchField
-from megapack.seq_params import make_packed_seq_params
+from megapack.core.seq_params import make_packed_seq_params
 
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams

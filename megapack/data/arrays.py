@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from megapack.checks import check_int
+from megapack.core.checks import check_int
 from megapack.data.document import Document
 
 

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch.distributed as dist
 
-from megapack.batch import PackedBatch
-from megapack.checks import check_int
+from megapack.core.batch import PackedBatch
+from megapack.core.checks import check_int
 from megapack.data.document import Document
 from megapack.data.layout import FORMAT_VERSION, check_layout, plan_layout
 from megapack.data.split import split_document
@@ -206,7 +206,7 @@ class PackedDataset:
         """This rank's micro-batches in order; with ``lockstep=True``, every rank of ``group`` stops together."""
         if not lockstep:
             return iter(self)
-        from megapack.sync import lockstep as in_lockstep
+        from megapack.distributed.sync import lockstep as in_lockstep
 
         return in_lockstep(self, group=group)
 

@@ -67,7 +67,7 @@ def read_indexed(path_prefix: str | os.PathLike[str]) -> Iterator[Document]:
             "shared by the .bin and .idx files (e.g. 'corpus_text_document')"
         )
     itemsize = _check_header(idx)
-    from megapack.quiet import quiet_megatron
+    from megapack.core.quiet import quiet_megatron
 
     with quiet_megatron():  # lazy: importing megatron takes ~3-5 s
         from megatron.core.datasets.indexed_dataset import IndexedDataset

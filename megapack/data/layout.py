@@ -4,7 +4,7 @@ One implementation for both, so the in-memory dataset and the streamed ``megapac
 drift apart (same arrays, same ``meta.json``):
 
 * `check_layout` validates ``seq_len`` against the padding multiple, lcm(pad_to_multiple_of,
-  2 * cp_size) (`megapack.cp_pad.cp_pad_multiple`), and the long-document policy;
+  2 * cp_size) (`megapack.core.cp_pad.cp_pad_multiple`), and the long-document policy;
 * `plan_layout` plans rows from the documents' lengths alone, on their *aligned* lengths
   (``ceil(len / multiple) * multiple``, so alignment padding never overflows a row), and returns
   the ``doc_offsets``, ``slices`` (doc, start, stop; padding holds no tokens) and ``bin_offsets``
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from megapack.checks import check_int
+from megapack.core.checks import check_int
 from megapack.packing.names import LONG_DOC_POLICIES
 
 log = logging.getLogger(__name__)  # library code logs; the CLI prints
@@ -38,7 +38,7 @@ def check_layout(seq_len: int, pad_to_multiple_of: int, cp_size: int, long_docs:
         ValueError: a non-positive setting, ``seq_len`` not a multiple of the padding multiple, or
             an unknown ``long_docs``, each naming the argument and the value.
     """
-    from megapack.cp_pad import cp_pad_multiple
+    from megapack.core.cp_pad import cp_pad_multiple
 
     for name, value in (("seq_len", seq_len), ("pad_to_multiple_of", pad_to_multiple_of), ("cp_size", cp_size)):  # fmt: skip
         check_int(name, value, minimum=1)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 
-from megapack.checks import check_int
+from megapack.core.checks import check_int
 from megapack.data.document import Document
 
 

@@ -13,7 +13,7 @@ TP rank returns identical values, shapes, dtypes and None-ness.
 A failure on the source while fetching or checking is sent in place of a batch: the source
 re-raises its own error and every peer raises `RemoteDataError` within one transfer's latency;
 the next call delivers the next batch. A data iterator that ends stops every TP rank in the same
-call. Megapack's collectives and links wait at most the megapack timeout (`megapack.comm`) and
+call. Megapack's collectives and links wait at most the megapack timeout (`megapack.distributed.comm`) and
 then raise `CollectiveError` naming the ranks.
 """
 
@@ -28,14 +28,14 @@ import torch
 import torch.distributed as dist
 
 from megapack.core.cp import CP_LAYOUTS, CpLayout, take_share
+from megapack.core.errors import CollectiveError, ProtocolError, RemoteDataError
 from megapack.core.fields import BatchField, Schema, Stage, schema_of
 from megapack.core.items import Batch, Layout, normalize
 from megapack.delivery.transport import Transport, transport_for
 from megapack.delivery.wire import Header, Status, decode, encode, header_bytes, signal
-from megapack.errors import CollectiveError, ProtocolError, RemoteDataError
-from megapack.side_groups import control_group
-from megapack.sync import check_in_sync, debug_sync_enabled
-from megapack.topology import Topology
+from megapack.distributed.groups import control_group
+from megapack.distributed.sync import check_in_sync, debug_sync_enabled
+from megapack.distributed.topology import Topology
 
 __all__ = ["get_batch_on_this_tp_rank"]
 

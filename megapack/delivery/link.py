@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from megapack import comm
-from megapack.errors import CollectiveError
+from megapack.core.errors import CollectiveError
+from megapack.distributed import comm
 
 _PREFIX = struct.Struct("<qqqqq")  # magic, sequence, body bytes, where the body is, segment bytes
 _INLINE, _SHARED, _NEW_SEGMENT = 0, 1, 2  # body on the socket / in the segment / in a new segment

@@ -38,9 +38,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from megapack import comm
 from megapack.delivery.link import LocalLink, recv_exact
-from megapack.side_groups import control_group
+from megapack.distributed import comm
+from megapack.distributed.groups import control_group
 
 logger = logging.getLogger("megapack.delivery")
 

@@ -48,11 +48,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapack import comm
+from megapack.core.errors import CollectiveError, ProtocolError
 from megapack.delivery.get_batch import get_batch_on_this_tp_rank
-from megapack.errors import CollectiveError, ProtocolError
-from megapack.side_groups import control_group
-from megapack.topology import Topology
+from megapack.distributed import comm
+from megapack.distributed.groups import control_group
+from megapack.distributed.topology import Topology
 
 
 @dataclasses.dataclass(slots=True)

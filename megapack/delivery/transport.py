@@ -42,13 +42,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megapack import comm
 from megapack.core.fields import Schema
 from megapack.delivery.link import LocalLink
 from megapack.delivery.link_setup import link_for
 from megapack.delivery.wire import Header, Status, payload_of, write_payload
-from megapack.side_groups import control_group
-from megapack.topology import Topology
+from megapack.distributed import comm
+from megapack.distributed.groups import control_group
+from megapack.distributed.topology import Topology
 
 logger = logging.getLogger("megapack.delivery")
 TRANSPORT_ENV = "MEGAPACK_TRANSPORT"
@@ -74,7 +74,7 @@ class Transport(abc.ABC):
     def receive(self, header_bytes: int, timeout: float | None) -> tuple[Header, torch.Tensor]:
         """Peer: the next (header, payload); an error's payload is its message, on the host.
 
-        ``timeout``: seconds to wait for the source (None: megapack's default, `megapack.comm`).
+        ``timeout``: seconds to wait for the source (None: megapack's default, `megapack.distributed.comm`).
         """
 
     @property

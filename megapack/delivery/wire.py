@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from megapack.core.errors import ProtocolError
 from megapack.core.fields import MAX_DIMS, Schema, Stage
 from megapack.core.items import Batch, Layout
-from megapack.errors import ProtocolError
-from megapack.seq_params import make_packed_seq_params
+from megapack.core.seq_params import make_packed_seq_params
 
 MAGIC = 0x4D50_0005  # "MP" + protocol version 5 (fields in full, declared by a schema)
 FIXED_SLOTS = 6

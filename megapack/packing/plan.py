@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from megapack.checks import check_int
+from megapack.core.checks import check_int
 from megapack.packing.balance import check_balance, order_rows
 from megapack.packing.bfd import best_fit_decreasing
 from megapack.packing.bounds import lower_bound

@@ -1,6 +1,6 @@
 """Test data for the tiny GPT: the same documents laid out packed (THD) and padded (Megatron SFT).
 
-The model itself (`TinyGPT`, `init_weights`, `forward_step`) lives in `megapack.models`, the loss
+The model itself (`TinyGPT`, `init_weights`, `forward_step`) lives in `megapack.harness.gpt`, the loss
 in `megapack.megatron.loss`; it is re-exported here so tests and examples can import everything from one place.
 """
 
@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-from megapack.batch import PackedBatch
+from megapack.core.batch import PackedBatch
+from megapack.harness.gpt import TinyGPT, forward_step, init_weights
 from megapack.megatron.loss import masked_mean_loss
-from megapack.models import TinyGPT, forward_step, init_weights
 
 __all__ = [
     "TinyGPT",

@@ -1,14 +1,14 @@
-"""The tp x pp (x cp) grids megapack is tested on; `grid_topology` (from `megapack.grid`) builds them.
+"""The tp x pp (x cp) grids megapack is tested on; `grid_topology` (from `megapack.distributed.grid`) builds them.
 
 Rank order follows Megatron's default (tensor-parallel fastest, then context-parallel, then
-pipeline): rank = (pp_rank * cp + cp_rank) * tp + tp_rank (see `megapack.grid`).
+pipeline): rank = (pp_rank * cp + cp_rank) * tp + tp_rank (see `megapack.distributed.grid`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapack.grid import grid_topology
+from megapack.distributed.grid import grid_topology
 
 __all__ = ["CP_GRIDS", "GRIDS", "Grid", "grid_topology"]
 

@@ -1,5 +1,5 @@
-"""The persistent gloo worker pool for distributed tests; it lives in `megapack.launch` (the bench uses it too)."""
+"""The persistent gloo worker pool for distributed tests; it lives in `megapack.harness.pool` (the bench uses it too)."""
 
-from megapack.launch import DistributedTestError, RankOutcome, WorkerPool
+from megapack.harness.pool import DistributedTestError, RankOutcome, WorkerPool
 
 __all__ = ["DistributedTestError", "RankOutcome", "WorkerPool"]

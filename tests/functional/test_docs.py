@@ -103,7 +103,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A gloo world of one rank with megatron's parallel state (tp = pp = 1), and a data folder."""
     import torch.distributed as dist
 
-    from megapack.quiet import quiet_megatron
+    from megapack.core.quiet import quiet_megatron
 
     with quiet_megatron():
         from megatron.core import parallel_state as ps
@@ -263,7 +263,26 @@ def contributing_pool_test(ns: dict[str, Any], run: Callable[[], None]) -> None:
     assert ns["run_on_rank"](1, 1) == {"stage": "only"}
 
 
+def rl_fields(ns: dict[str, Any], run: Callable[[], None]) -> None:
+    from megapack import PackedBatch
+
+    run()
+    fields = ns["RL_FIELDS"]
+    docs = [{"tokens": [5, 6, 7], "advantages": [1.0] * 3, "old_logprobs": [-2.0] * 3,
+             "pixel_values": torch.ones(4, 6, dtype=torch.bfloat16), "image_grid_thw": torch.tensor([[1, 2, 2]])},
+            {"tokens": [8, 9], "advantages": [-1.0] * 2, "old_logprobs": [-2.0] * 2}]  # fmt: skip
+    item = PackedBatch.from_documents(docs, seq_len=8, fields=fields)
+    batch = ns["get_batch"](iter([item]), None)
+    assert batch["advantages"].tolist() == [[1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 0.0, 0.0]]
+    assert batch["pixel_values"].shape == (4, 6) and batch["image_grid_thw"].tolist() == [[1, 2, 2]]
+    per_token = -batch["old_logprobs"]  # the policy still is the rollout's: every ratio is 1
+    loss, _ = ns["loss_func"](batch, per_token)
+    trained = batch["loss_mask"].bool()
+    assert loss.item() == pytest.approx(-batch["advantages"][trained].mean().item())
+
+
 HARNESSES: dict[str, Callable[[dict[str, Any], Callable[[], None]], None]] = {
+    "RL_FIELDS = (": rl_fields,
     "# Every rank of the TP group calls this once per micro-step": pretrain_get_batch,
     "batches = megapack.prefetch(": prefetch_loop,
     "args = get_args()": megatron_lm_get_batch,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import megapack
 from megapack.delivery.transport import use_transport
-from megapack.side_groups import set_control_group
+from megapack.distributed.groups import set_control_group
 from megapack.testing.grids import grid_topology
 from megapack.testing.pool import WorkerPool
 
@@ -283,7 +283,7 @@ def test_debug_switch_catches_ranks_in_different_calls(pool: WorkerPool) -> None
 def run_export(work_s: float, extend: bool) -> Any:
     """Rank 0 works ``work_s`` seconds (a checkpoint export) while the others wait in a collective."""
     os.environ["MEGAPACK_TIMEOUT_S"] = "1"
-    before = megapack.comm.group_timeout(None)
+    before = megapack.distributed.comm.group_timeout(None)
 
     def body() -> str:
         context = (
@@ -292,7 +292,7 @@ def run_export(work_s: float, extend: bool) -> Any:
             else contextlib.nullcontext()
         )
         with context:
-            inside = megapack.comm.group_timeout(None).total_seconds()
+            inside = megapack.distributed.comm.group_timeout(None).total_seconds()
             if dist.get_rank() == 0:
                 time.sleep(work_s)
             megapack.check_in_sync("after-export", 1)
@@ -301,8 +301,8 @@ def run_export(work_s: float, extend: bool) -> Any:
     try:
         return (
             outcome(body),
-            megapack.comm.group_timeout(None) == before,
-            megapack.comm.collective_timeout(),
+            megapack.distributed.comm.group_timeout(None) == before,
+            megapack.distributed.comm.collective_timeout(),
         )
     finally:
         del os.environ["MEGAPACK_TIMEOUT_S"]
@@ -321,15 +321,15 @@ def test_long_operation_lengthens_then_restores(pool: WorkerPool) -> None:
 def test_timeout_setting_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MEGAPACK_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match=r"\$MEGAPACK_TIMEOUT_S='soon' is not a number"):
-        megapack.comm.collective_timeout()
+        megapack.distributed.comm.collective_timeout()
     monkeypatch.setenv("MEGAPACK_TIMEOUT_S", "-3")
     with pytest.raises(
         ValueError, match=r"\$MEGAPACK_TIMEOUT_S must be a positive number of seconds, got -3.0"
     ):
-        megapack.comm.collective_timeout()
-    assert megapack.comm.collective_timeout(7) == 7.0
+        megapack.distributed.comm.collective_timeout()
+    assert megapack.distributed.comm.collective_timeout(7) == 7.0
     monkeypatch.delenv("MEGAPACK_TIMEOUT_S")
-    assert megapack.comm.collective_timeout() == 300.0
+    assert megapack.distributed.comm.collective_timeout() == 300.0
 
 
 def run_dataset_lockstep(sizes: list[int]) -> Any:

@@ -3,7 +3,7 @@
 megatron-core's ``parallel_state`` is built with ``context_parallel_size=cp``; the tiny GPT uses
 `megapack.megatron.packed_gpt_layer_spec`, whose `PackedAttention` all-gathers K/V over the CP group
 and rotates each token by its position in its document. Every run starts from the same weights
-(`megapack.models.init_weights`). Checks, for both CP layouts ("document", "row"):
+(`megapack.harness.gpt.init_weights`). Checks, for both CP layouts ("document", "row"):
 
 * 3 SGD steps on (tp, pp, cp) = (1,1,2), (2,1,2), (1,2,2), (2,2,2), (1,1,4) give the losses of the
   cp=1 run of the same data (relative 1e-4);
@@ -14,7 +14,7 @@ The documents include 1-token, odd-length and shorter-than-2*cp ones; for the "d
 every document is padded to a multiple of 8 (``pad_to_multiple_of``, = 2*cp for cp 4), for "row"
 only the row length (48) divides by 2*cp.
 
-Batches go through `megapack.get_batch_on_this_tp_rank` (`megapack.models.forward_step`): each CP
+Batches go through `megapack.get_batch_on_this_tp_rank` (`megapack.harness.gpt.forward_step`): each CP
 rank's TP source reads the whole micro-batch and sends its TP peers only its CP share, with the whole
 row's boundaries and ``cp_group`` in ``packed_seq_params``.
 """
@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 import torch
 
-from megapack.batch import PackedBatch
-from megapack.cp import cp_indices
-from megapack.models import TinyGPT, forward_step, init_weights
+from megapack.core.batch import PackedBatch
+from megapack.core.cp import cp_indices
+from megapack.harness.gpt import TinyGPT, forward_step, init_weights
 from megapack.testing.gpt import padded_micro_batch
 
 pytestmark = pytest.mark.distributed

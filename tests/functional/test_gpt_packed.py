@@ -1,6 +1,6 @@
 """Packed GPT training through megatron-core's real GPTModel and schedules on tp x pp grids (CPU, gloo).
 
-Every run starts from the same topology-independent weights (`megapack.models.init_weights`),
+Every run starts from the same topology-independent weights (`megapack.harness.gpt.init_weights`),
 uses 2 micro-batches of 2 Megatron SFT rows (mbs > 1, several micro-batches per step) and feeds the
 model through `megapack.get_batch_on_this_tp_rank`. Checks:
 

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from megapack import PackedBatch, get_batch_on_this_tp_rank
+from megapack.core.errors import CollectiveError
 from megapack.delivery import link as link_module
 from megapack.delivery import link_setup
 from megapack.delivery.link_setup import link_for
 from megapack.delivery.transport import use_transport
-from megapack.errors import CollectiveError
 from megapack.testing.grids import grid_topology
 
 pytestmark = pytest.mark.distributed

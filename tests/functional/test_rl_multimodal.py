@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from megapack import BatchField, PackedBatch
+from megapack.harness.gpt import TinyGPT, forward_step, init_weights
 from megapack.megatron.loss import clipped_policy_loss
-from megapack.models import TinyGPT, forward_step, init_weights
 from megapack.testing.gpt import padded_micro_batch
 
 pytestmark = pytest.mark.distributed

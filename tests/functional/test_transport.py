@@ -22,7 +22,7 @@ from megapack import get_batch_on_this_tp_rank, lockstep
 from megapack.core.fields import schema_of
 from megapack.delivery.transport import use_transport
 from megapack.delivery.wire import header_bytes
-from megapack.side_groups import control_group, set_control_group
+from megapack.distributed.groups import control_group, set_control_group
 from megapack.testing.grids import Grid, grid_topology
 from tests.functional.test_tp_pp_grid import FailingIterator, _summary, check_rank, stream
 

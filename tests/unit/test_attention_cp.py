@@ -2,7 +2,7 @@
 
 Every CP run is compared with the cp=1 result on the whole row (`PackedAttention` without CP, itself
 checked against a dense reference in test_attention.py): each rank's outputs and its q/k/v gradients
-must equal the whole row's at the positions it holds (`megapack.cp.cp_indices`).
+must equal the whole row's at the positions it holds (`megapack.core.cp.cp_indices`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 
 from megapack.attention import PackedAttention
 from megapack.attention.cp import CpPlan, plan_for, row_positions
-from megapack.batch import make_packed_seq_params
-from megapack.cp import cp_indices
+from megapack.core.batch import make_packed_seq_params
+from megapack.core.cp import cp_indices
 
 HEADS, GROUPS, DIM = 4, 2, 8
 

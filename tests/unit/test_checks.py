@@ -1,4 +1,4 @@
-"""`megapack.checks`: TypeError for a wrong type, ValueError for a bad value, both naming argument and value."""
+"""`megapack.core.checks`: TypeError for a wrong type, ValueError for a bad value, both naming argument and value."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import doctest
 import numpy as np
 import pytest
 
-from megapack import checks
-from megapack.checks import check_int, check_seconds
+from megapack.core import checks
+from megapack.core.checks import check_int, check_seconds
 
 
 def test_check_int() -> None:

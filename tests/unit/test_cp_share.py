@@ -13,7 +13,7 @@ from megapack import BatchField, PackedBatch
 from megapack.core.cp import take_share
 from megapack.core.fields import Stage, schema_of
 from megapack.core.items import Layout, normalize
-from megapack.seq_params import make_packed_seq_params
+from megapack.core.seq_params import make_packed_seq_params
 
 SCHEMA = schema_of()
 ONLY = SCHEMA.by_stage[Stage.ONLY]

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megapack import BatchField, PackedBatch, Topology, align_by_kind, get_batch_on_this_tp_rank
-from megapack.align import has_rows, zero_loss
 from megapack.core.fields import schema_of
+from megapack.packing.align import has_rows, zero_loss
 
 ADV = BatchField("advantages", "token", torch.float32, "last")
 OLD = BatchField("old_logprobs", "token", torch.bfloat16, "last")

@@ -1,4 +1,4 @@
-"""Tests of megapack.launch.WorkerPool.
+"""Tests of megapack.harness.pool.WorkerPool.
 
 Happy-path and "error" tests use the session's shared ``dist_pool`` (8 workers, megatron
 preloaded). Tests that make the pool restart (a rank dies or hangs) use a private 2-worker pool that
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megapack.launch import DistributedTestError, WorkerPool
+from megapack.harness.pool import DistributedTestError, WorkerPool
 
 # ---- functions run on the workers -----------------------------------------------------------
 

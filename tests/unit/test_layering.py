@@ -1,8 +1,20 @@
-"""House rule: megapack's production modules never import megapack.testing (helpers for tests only).
+"""House rules on imports: lower layers never import higher ones, production never imports testing.
 
-Every module under megapack/ except megapack/testing/ is parsed, and every ``import`` and
-``from ... import`` statement in it, top-level or inside a function, is checked. A second test
-imports the modules the CLI and the bench load and checks megapack.testing stayed out of
+The packages, lowest first (each may import those to its left that its row names):
+
+    core           the batch contract: fields, PackedBatch, Megatron dicts, CP shares, PackedSeqParams
+    distributed    topology, groups, timed collectives, lockstep            (core)
+    delivery       get_batch_on_this_tp_rank, transports, prefetch          (core, distributed)
+    attention      PackedAttention and its kernels                          (core)
+    megatron       the layer spec and losses                                (core, attention)
+    packing, data  planning rows; readers and writers                       (core; data: + distributed, packing)
+    harness        worker pool, megatron on CPU, the tiny GPT               (all of the above)
+    bench, cli     `megapack bench`, the command line                       (all of the above; cli: + bench)
+    testing        helpers for tests                                        (anything)
+
+Every module under megapack/ is parsed, and every ``import`` and ``from ... import`` statement in
+it, top-level or inside a function, is checked against its package's row (`ALLOWED`). A further
+test imports the modules the CLI and the bench load and checks megapack.testing stayed out of
 ``sys.modules``.
 """
 
@@ -63,11 +75,78 @@ def test_imported_modules_sees_every_form() -> None:
     assert {"os", "megapack.bench", "megapack.bench.report"} <= names
 
 
+BELOW_HARNESS = {"core", "distributed", "delivery", "attention", "megatron", "packing", "data"}
+ALLOWED: dict[str, set[str]] = {
+    "core": {"core"},
+    "distributed": {"core", "distributed"},
+    "delivery": {"core", "distributed", "delivery"},
+    "attention": {"core", "attention"},
+    "megatron": {"core", "attention", "megatron"},
+    "packing": {"core", "packing"},
+    "data": {"core", "distributed", "packing", "data"},
+    "harness": BELOW_HARNESS | {"harness"},
+    "bench": BELOW_HARNESS | {"harness", "bench"},
+    "cli": BELOW_HARNESS | {"harness", "bench", "cli"},
+}
+"""Package -> the megapack packages its modules may import (megapack.testing: anything)."""
+
+
+def layer_of(module: str) -> str | None:
+    """``megapack.core.fields`` -> ``core``; the package itself and its top-level modules: None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ALLOWED) else None
+
+
+def layer_violations(path: Path) -> list[str]:
+    """The megapack modules ``path`` imports that its package's row does not allow."""
+    rel = path.relative_to(PACKAGE.parent)
+    package = ".".join(rel.with_suffix("").parts[:-1])
+    own = layer_of(".".join(rel.with_suffix("").parts))
+    if own is None or own == "testing":
+        return []
+    bad = set()
+    for name in imported_modules(path.read_text(), package):
+        if name.startswith("megapack."):
+            target = layer_of(name)
+            if target is not None and target not in ALLOWED[own] and target != "testing":
+                bad.add(name)
+            if target is None and name.count(".") == 1:
+                public = name.split(".")[1] in megapack._EXPORTS  # `from megapack import X`
+                if not public or own not in ("harness", "bench", "cli"):
+                    bad.add(name)  # the public API is for the top layers; other modules: a layer
+    return sorted(bad)
+
+
+def test_every_package_is_in_a_layer_and_imports_only_below_it() -> None:
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert packages - {"testing"} == set(ALLOWED), packages
+    offenders = {
+        p.relative_to(PACKAGE.parent).as_posix(): bad
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if (bad := layer_violations(p))
+    }
+    assert offenders == {}
+
+
+def test_the_layer_check_catches_a_climb(tmp_path: Path) -> None:
+    # core importing the delivery (lazily, inside a function) is a climb; delivery importing core is not.
+    climb = PACKAGE / "core" / "_climb_probe.py"
+    ok = PACKAGE / "delivery" / "_ok_probe.py"
+    try:
+        climb.write_text("def f():\n    from megapack.delivery import wire\n")
+        ok.write_text("from megapack.core import fields\n")
+        assert layer_violations(climb) == ["megapack.delivery", "megapack.delivery.wire"]
+        assert layer_violations(ok) == []
+    finally:
+        climb.unlink()
+        ok.unlink()
+
+
 def test_production_modules_do_not_import_megapack_testing() -> None:
     files = sorted(
         p for p in PACKAGE.rglob("*.py") if "testing" not in p.relative_to(PACKAGE).parts
     )
-    assert PACKAGE / "cli.py" in files and PACKAGE / "bench" / "transfer.py" in files
+    assert PACKAGE / "cli" / "__init__.py" in files and PACKAGE / "bench" / "transfer.py" in files
     offenders = {}
     for path in files:
         rel = path.relative_to(PACKAGE.parent)
@@ -81,7 +160,7 @@ def test_production_modules_do_not_import_megapack_testing() -> None:
 def test_cli_and_bench_imports_leave_megapack_testing_out() -> None:
     code = (
         "import sys, megapack, megapack.cli, megapack.bench, megapack.bench.transfer, "
-        "megapack.bench.report, megapack.launch, megapack.grid, megapack.megatron_cpu; "
+        "megapack.bench.report, megapack.harness.pool, megapack.distributed.grid, megapack.harness.megatron_cpu; "
         "print(sorted(m for m in sys.modules if m.startswith('megapack.testing')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

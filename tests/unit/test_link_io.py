@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from megapack.core.errors import CollectiveError
 from megapack.delivery import link as link_module
 from megapack.delivery.link import LocalLink
-from megapack.errors import CollectiveError
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megapack import PackedBatch, Stage, Topology, get_batch_on_this_tp_rank
-from megapack.batch import make_packed_seq_params
+from megapack.core.batch import make_packed_seq_params
 
 S = 8
 

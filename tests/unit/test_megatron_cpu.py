@@ -1,4 +1,4 @@
-"""Tests of megapack.megatron_cpu: megatron-core's GPTModel and schedules on gloo CPU ranks.
+"""Tests of megapack.harness.megatron_cpu: megatron-core's GPTModel and schedules on gloo CPU ranks.
 
 Every patching test runs on the shared ``dist_pool`` workers, never in the pytest process: the
 patches are process-wide by design, and the workers are the processes that use them. Expected
@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megapack import megatron_cpu
-from megapack.megatron_cpu import megatron_on_cpu
+from megapack.harness import megatron_cpu
+from megapack.harness.megatron_cpu import megatron_on_cpu
 
 VOCAB = 128
 SEQ, MICRO_BATCH, MICROBATCHES, STEPS = 16, 2, 2, 2
@@ -201,7 +201,7 @@ def train_gpt(tp: int, pp: int, causal_mask: bool) -> dict[str, Any]:
 
 def test_import_does_not_import_megatron() -> None:
     code = (
-        "import sys, megapack.megatron_cpu; "
+        "import sys, megapack.harness.megatron_cpu; "
         "print(sorted(m for m in sys.modules if m.startswith('megatron')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

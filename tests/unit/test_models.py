@@ -1,4 +1,4 @@
-"""Tests of megapack.models: the tiny GPT, its topology-independent weights and its forward step."""
+"""Tests of megapack.harness.gpt: the tiny GPT, its topology-independent weights and its forward step."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from megapack.models import TinyGPT, init_weights, masked_mean_loss
+from megapack.harness.gpt import TinyGPT, init_weights, masked_mean_loss
 
 
 def test_masked_mean_loss_counts_only_trained_positions() -> None:

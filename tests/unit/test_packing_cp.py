@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megapack.cli import main
-from megapack.cp import check_cp_spans, cp_pad_multiple
+from megapack.core.cp import check_cp_spans, cp_pad_multiple
 from megapack.data import PackedDataset
 from megapack.data.document import Document
 

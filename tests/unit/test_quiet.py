@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from megapack.quiet import quiet_megatron
+from megapack.core.quiet import quiet_megatron
 
 
 def emitted(message: str, module: str, category: type[Warning] = UserWarning) -> list[str]:
@@ -54,12 +54,12 @@ def test_megapack_paths_into_megatron_print_no_warnings() -> None:
     """A fresh process, warnings on: megapack's megatron imports and a GPT build print nothing."""
     code = (
         "import torch, megapack\n"
-        "from megapack.batch import make_packed_seq_params\n"
+        "from megapack.core.batch import make_packed_seq_params\n"
         "from megapack.megatron import packed_gpt_layer_spec\n"
         "make_packed_seq_params(torch.tensor([0, 3], dtype=torch.int32), None, 3)\n"
         "packed_gpt_layer_spec()\n"
         "from megatron.core.transformer import TransformerConfig\n"
-        "from megapack.quiet import quiet_megatron\n"
+        "from megapack.core.quiet import quiet_megatron\n"
         "with quiet_megatron():\n"
         "    TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)\n"
         "print('ok')\n"

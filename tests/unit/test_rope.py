@@ -16,7 +16,7 @@ import torch
 from megapack.attention.cp import CpPlan
 from megapack.attention.documents import Documents
 from megapack.attention.rope import RopeTables, apply_rope, hand_over, handed_over
-from megapack.cp import cp_indices
+from megapack.core.cp import cp_indices
 
 HEADS, DIM = 3, 16
 BOUNDARIES = {  # (cu_real, cu_buffer or None); the table has max span + 2 rows, never T
@@ -32,7 +32,7 @@ def megatron_table(
 ) -> torch.Tensor:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from megapack.megatron_cpu import megatron_on_cpu
+    from megapack.harness.megatron_cpu import megatron_on_cpu
 
     megatron_on_cpu()  # RotaryEmbedding moves its frequencies to "the current CUDA device"
     rope = RotaryEmbedding(

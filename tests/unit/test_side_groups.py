@@ -1,4 +1,4 @@
-"""Tests of megapack.side_groups: control groups are created once per group, validated when given."""
+"""Tests of megapack.distributed.groups: control groups are created once per group, validated when given."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 import torch.distributed as dist
 
-from megapack import side_groups
+from megapack.distributed import groups as side_groups
 
 
 def _cache_and_checks() -> dict[str, Any]:

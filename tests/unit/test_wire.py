@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megapack import BatchField, PackedBatch
+from megapack.core.errors import ProtocolError
 from megapack.core.fields import BUILTIN_FIELDS, OUTPUT_KEYS, Stage, schema_of
 from megapack.core.items import Batch, Layout, normalize
 from megapack.delivery.wire import (
@@ -23,7 +24,6 @@ from megapack.delivery.wire import (
     payload_of,
     signal,
 )
-from megapack.errors import ProtocolError
 
 CPU = torch.device("cpu")
 SCHEMA = schema_of()

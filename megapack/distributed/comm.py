@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapack.checks import check_seconds
-from megapack.errors import CollectiveError
+from megapack.core.checks import check_seconds
+from megapack.core.errors import CollectiveError
 
 DEFAULT_TIMEOUT_S = 300.0
 TIMEOUT_ENV = "MEGAPACK_TIMEOUT_S"

@@ -16,7 +16,7 @@ A gloo group registered for a gloo ``group`` is also accepted: then headers trav
 payloads on ``group``, as on NCCL (how the tests exercise the NCCL path on CPU).
 
 Example:
-    >>> from megapack.side_groups import control_group, set_control_group  # doctest: +SKIP
+    >>> from megapack.distributed.groups import control_group, set_control_group  # doctest: +SKIP
     >>> tp = parallel_state.get_tensor_model_parallel_group()             # NCCL
     >>> set_control_group(tp, dist.new_group(dist.get_process_group_ranks(tp), backend="gloo"))
     >>> control_group(tp) is control_group(tp)                            # cached: one per group
@@ -29,7 +29,7 @@ import weakref
 
 import torch.distributed as dist
 
-from megapack import comm
+from megapack.distributed import comm
 
 # Keyed weakly by the data group: a control group lives exactly as long as its data group.
 _controls: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (

@@ -134,7 +134,7 @@ def _worker_main(
     """Entry point of a worker: preload, connect to the store, then serve tasks until stopped."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     os.environ["OMP_NUM_THREADS"] = "1"
-    from megapack.quiet import quiet_megatron
+    from megapack.core.quiet import quiet_megatron
 
     with quiet_megatron():  # megatron warns about missing apex/TE once per process
         for name in preload:

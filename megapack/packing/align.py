@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from megapack.checks import check_int
+from megapack.core.checks import check_int
 
 T = TypeVar("T")
 

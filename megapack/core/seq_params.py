@@ -67,7 +67,7 @@ def _packed_seq_params_class() -> tuple[type[PackedSeqParams], frozenset[str]]:
     """
     module: Any = sys.modules.get("megatron.core.packed_seq_params")
     if module is None:
-        from megapack.quiet import quiet_megatron
+        from megapack.core.quiet import quiet_megatron
 
         with quiet_megatron():
             import megatron.core.packed_seq_params

@@ -2,7 +2,7 @@
 bound, what each long-document policy loses, and (with ``--dp``/``--micro-batches``/a cost) the
 token plan's and the compute plan's data-parallel imbalance.
 
-Split from `megapack.cli`, which builds the parser; the input flags live in `megapack.cli_input`.
+Split from `megapack.cli`, which builds the parser; the input flags live in `megapack.cli.input`.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from megapack.cli_input import SHAPE_FLAGS, read_lengths
-from megapack.cli_report import plural
+from megapack.cli.input import SHAPE_FLAGS, read_lengths
+from megapack.cli.report import plural
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from megapack.cp import cp_pad_multiple
+    from megapack.core.cp import cp_pad_multiple
     from megapack.packing import plan
 
     lengths, note = read_lengths(args)

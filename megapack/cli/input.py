@@ -1,7 +1,7 @@
 """How the ``megapack`` commands read their input: reader and chat flags, the tokenizer, the reader,
 progress on stderr, and the document lengths ``stats`` plans from.
 
-Shared by `megapack.cli` (which builds the parser and runs ``pack``) and `megapack.cli_stats`
+Shared by `megapack.cli` (which builds the parser and runs ``pack``) and `megapack.cli.stats`
 (``stats``), so neither imports the other. Nothing here imports torch (``--help`` stays fast).
 """
 
@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from megapack.cli_report import plural
+from megapack.cli.report import plural
 
 T = TypeVar("T")
 READER_FLAGS = {"skip_bad": "--skip-bad", "eos_id": "--eos-id"}
@@ -168,7 +168,7 @@ def read_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
 
 
 SHAPE_FLAGS = ("hidden", "ffn", "layers", "heads", "vocab")
-"""The model-shape flags of ``stats`` (``--hidden`` ...), defined by `megapack.cli`, read by `megapack.cli_stats`."""
+"""The model-shape flags of ``stats`` (``--hidden`` ...), defined by `megapack.cli`, read by `megapack.cli.stats`."""
 
 
 def is_record_input(path: str) -> bool:

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
+from megapack.core.cp import CpLayout
 from megapack.core.fields import BatchField
-from megapack.cp import CpLayout
 from megapack.delivery.get_batch import get_batch_on_this_tp_rank
+from megapack.distributed.topology import Topology
 from megapack.megatron.loss import masked_mean_loss
-from megapack.topology import Topology
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,7 +61,7 @@ class TinyGPT:
 
     def build(self, *, vp_stage: int | None = None) -> Any:
         """This rank's ``GPTModel`` chunk, on CPU, fp32, no dropout, untied embeddings."""
-        from megapack.quiet import quiet_megatron
+        from megapack.core.quiet import quiet_megatron
 
         with quiet_megatron():  # megatron's known-harmless import and config warnings
             return self._build(vp_stage)

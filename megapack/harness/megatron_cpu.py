@@ -89,7 +89,7 @@ class _Overlay:
         return getattr(self._base, name)
 
     def __repr__(self) -> str:
-        return f"<{self._base.__name__} redirected to CPU by megapack.megatron_cpu>"
+        return f"<{self._base.__name__} redirected to CPU by megapack.harness.megatron_cpu>"
 
 
 def _zeros(*size: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -182,7 +182,7 @@ def megatron_on_cpu(*, force: bool = False) -> bool:
         return True
     if torch.cuda.is_available() and not force:
         return False
-    from megapack.quiet import quiet_megatron
+    from megapack.core.quiet import quiet_megatron
 
     with quiet_megatron():
         patches = [

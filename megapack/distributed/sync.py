@@ -27,9 +27,9 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from megapack import comm
-from megapack.errors import DesyncError, RemoteRankError
-from megapack.side_groups import control_group
+from megapack.core.errors import DesyncError, RemoteRankError
+from megapack.distributed import comm
+from megapack.distributed.groups import control_group
 
 T = TypeVar("T")
 DEBUG_ENV = "MEGAPACK_DEBUG_SYNC"
@@ -54,7 +54,7 @@ def lockstep(
         iterable: this rank's items (e.g. its shard of validation batches).
         group: the ranks that must stay in step; the default group when None.
         cpu_group: a gloo group with the same ranks for the per-step flag. By default
-            ``group``'s control group (`megapack.side_groups.control_group`): ``group`` itself
+            ``group``'s control group (`megapack.distributed.groups.control_group`): ``group`` itself
             when it can reduce CPU tensors, else a gloo group with the same ranks made once per
             group and cached (NCCL groups), so no step costs a device sync.
         timeout: seconds to wait for the slowest rank's item (default: $MEGAPACK_TIMEOUT_S or 300).

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from megapack.cli_input import (
+from megapack.cli.input import (
     SHAPE_FLAGS,
     add_chat_arguments,
     add_reader_arguments,
@@ -27,14 +27,14 @@ from megapack.cli_input import (
     reader_options,
     tokenizer_from,
 )
-from megapack.cli_report import pack_report, plural
+from megapack.cli.report import pack_report, plural
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
     from itertools import islice
 
+    from megapack.cli.progress import Progress
     from megapack.data.pack_writer import PackWriter
-    from megapack.progress import Progress
 
     tokenizer = tokenizer_from(args.tokenizer, args.eos_token)
     options = reader_options(args)
@@ -79,7 +79,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from megapack.cli_stats import cmd_stats
+    from megapack.cli.stats import cmd_stats
 
     return cmd_stats(args)
 

@@ -1,0 +1,7 @@
+"""``python -m megapack.cli``: the ``megapack`` command line."""
+
+import sys
+
+from megapack.cli import main
+
+sys.exit(main())
