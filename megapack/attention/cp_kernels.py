@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from megapack.attention.varlen import call_varlen
 
 if TYPE_CHECKING:
-    from megapack.attention.cp import CpPlan
+    from megapack.attention.cp_plan import CpPlan
 
 
 def sdpa_cross(

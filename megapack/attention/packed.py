@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from megapack.attention.choice import BACKENDS, resolve_backend
-from megapack.attention.cp import cp_attention, plan_for, sbhd_cp_attention
+from megapack.attention.cp import cp_attention, sbhd_cp_attention
+from megapack.attention.cp_plan import plan_for
 from megapack.attention.documents import Documents
 from megapack.attention.kernels import KERNELS, sbhd_attention
 from megapack.attention.rope import RopeTables, apply_rope, handed_over

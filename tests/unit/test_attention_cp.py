@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megapack.attention import PackedAttention
-from megapack.attention.cp import CpPlan, plan_for, row_positions
+from megapack.attention.cp_plan import CpPlan, plan_for, row_positions
 from megapack.core.batch import make_packed_seq_params
 from megapack.core.cp import cp_indices
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megapack.attention.cp import CpPlan
+from megapack.attention.cp_plan import CpPlan
 from megapack.attention.documents import Documents
 from megapack.attention.rope import RopeTables, apply_rope, hand_over, handed_over
 from megapack.core.cp import cp_indices

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megapack.attention.cp import CpPlan
 from megapack.attention.cp_kernels import sdpa_cross, varlen_cross
+from megapack.attention.cp_plan import CpPlan
 from megapack.attention.documents import Documents
 from megapack.attention.kernels import sdpa_attention, varlen_attention
 from megapack.attention.varlen import VarlenForm, call_varlen, repeat_kv
