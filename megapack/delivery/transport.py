@@ -167,9 +167,9 @@ class BroadcastTransport(Transport):
             header = Header.from_bytes(body[:header_bytes])
             message = torch.from_numpy(body[header_bytes:])
         else:
-            raw = torch.empty(header_bytes, dtype=torch.uint8)
-            self._control(raw, "header", timeout)  # a CPU tensor: no device-to-host copy
-            header = Header.from_bytes(raw.numpy())
+            raw = np.empty(header_bytes, dtype=np.uint8)  # the control group's: on the host
+            self._control(torch.from_numpy(raw), "header", timeout)
+            header = Header.from_bytes(raw)
             error = header.status == Status.ERROR
             message = torch.empty(header.nbytes if error else 0, dtype=torch.uint8)
             if error:

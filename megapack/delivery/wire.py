@@ -166,6 +166,12 @@ def _plan(schema: Schema, stage: Stage) -> tuple[tuple[str, int, torch.dtype], .
     )
 
 
+def _numpy_views(payload: torch.Tensor) -> bool:
+    """Whether `decode` views a payload through numpy: a host payload, several times cheaper than
+    torch's views (tests patch it to run the device path, views with no host read, on CPU)."""
+    return payload.is_cpu
+
+
 @functools.cache
 def _views(schema: Schema) -> tuple[tuple[str, torch.dtype, int, Any], ...]:
     """(name, dtype, item bytes, numpy dtype or None) of every schema field, looked up once."""
@@ -217,7 +223,7 @@ def decode(
     """Every output key of ``schema``: views of ``payload`` where the header has the field, else
     None; the scalars as Python ints; for a packed batch, megatron-core's PackedSeqParams."""
     out: dict[str, Any] = dict.fromkeys(schema.output_keys)
-    host = payload.numpy() if payload.is_cpu else None  # numpy views: several times cheaper
+    host = payload.numpy() if _numpy_views(payload) else None
     offset = 0
     for (name, dtype, itemsize, np_dtype), dims in zip(_views(schema), header.dims, strict=True):
         if dims is None:
