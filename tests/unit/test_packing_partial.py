@@ -159,3 +159,13 @@ def test_partial_deadline_stops_the_descent() -> None:
     past = PartialPacking(sizes, sizes, 10, [[0, 1], [3]], [2, 4], objective=LINEAR,
                           rng=random.Random(0), deadline=0.0)  # fmt: skip
     assert past.out_of_time() and past.descent(target=0) is False and past.pool == [2, 4]
+
+
+def test_partial_pairs_leave_a_bin_of_pair_limit_items() -> None:
+    """Eight 1s in a bin of 9 (`PAIR_LIMIT` movable items) and a 3 in the pool: only two 1s
+    leaving make room, and a bin of eight items still offers its pairs."""
+    sizes = [1] * PAIR_LIMIT + [3]
+    p = PartialPacking(sizes, sizes, 9, [list(range(PAIR_LIMIT))], [PAIR_LIMIT], objective=LINEAR,
+                       rng=random.Random(0), deadline=None)  # fmt: skip
+    assert p.tabu_step() is True
+    assert sorted(sizes[i] for i in p.pool) == [1, 1] and p.load.tolist() == [9]
