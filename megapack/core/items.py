@@ -8,13 +8,8 @@ Three forms are accepted, the same on every stage:
     plain pretraining dict           [b, s] without ``cu_seqlens``, optional ``attention_mask``
                                      [b, 1, s, s], kept as [b, s]
 
-This module is the one place that parses Megatron's dicts. Rows merge as Megatron's SFT datasets
-(and NeMo's) lay them out: each row's ``cu_seqlens`` starts at 0, ends at s, then holds -1 or
-repeats of s; the merged boundaries get row offsets and lose the sentinels. Example, s=4:
-``[[0, 3, 4, -1], [0, 4, 4, 4]]`` -> ``[0, 3, 4, 8]``. With ``cu_seqlens_padded`` [b, k'] the
-real lengths go back to back and the buffer offsets row by row (Transformer Engine's THD
-convention): s=8, padded ``[[0, 4, 8], [0, 8, 8]]`` and real ``[[0, 3, 5], [0, 6, 6]]`` ->
-``cu_seqlens_padded [0, 4, 8, 16]``, ``cu_seqlens [0, 3, 5, 11]``.
+This module and `megapack.core.rows` (which merges packed rows, `merge_rows`) are the one place
+that parses Megatron's dicts.
 
 Keys Megatron's datasets add travel too: ``dataset_id`` ([b], BlendedDataset's source of each
 sample), ``local_cp_size`` (hybrid context parallelism). NeMo's ``cu_seqlens_argmin`` is
@@ -29,13 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from megapack.core.batch import PackedBatch
-from megapack.core.fields import MASK_DTYPE, MAX_DIMS, TOKEN_DTYPE, BatchField, Schema
+from megapack.core.fields import MAX_DIMS, BatchField, Schema
+from megapack.core.rows import GRID_NAMES, grid_tensor, merge_rows
 
-GRID_NAMES = ("tokens", "labels", "loss_mask", "position_ids")
 PLAIN_KEYS = frozenset({*GRID_NAMES, "attention_mask", "dataset_id"})
 PACKED_KEYS = PLAIN_KEYS | {"cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size"}
 IGNORED_KEYS = frozenset({"cu_seqlens_argmin"})
@@ -156,83 +150,6 @@ def _from_dict(item: Mapping[str, Any], schema: Schema) -> Batch:
     return Batch(Layout.PACKED, values)
 
 
-def merge_rows(batch: Mapping[str, Any]) -> PackedBatch:
-    """A Megatron SFT-style packed batch of b rows of s tokens as one validated THD PackedBatch.
-
-    ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` are [b, s]; ``cu_seqlens`` [b, k]
-    ([k] when b == 1), optional ``cu_seqlens_padded`` [b, k'] and ``max_seqlen`` (at least the
-    longest document); other keys are not read here. See the module docstring for the merge.
-    """
-    tokens = grid_tensor(batch, "tokens")
-    rows, cols = (int(n) for n in tokens.shape)
-    grid = {name: grid_tensor(batch, name, (rows, cols)) for name in GRID_NAMES}
-    cu_rows = _cu_rows(batch, "cu_seqlens", rows)
-    padded_rows = None
-    if batch.get("cu_seqlens_padded") is not None:
-        padded_rows = _cu_rows(batch, "cu_seqlens_padded", rows)
-    merged, merged_padded = [0], [0]
-    for row in range(rows):
-        if padded_rows is None:
-            bounds = _row_boundaries(cu_rows[row], cols, row)
-            merged.extend(int(v) + row * cols for v in bounds[1:])
-            continue
-        padded = _row_boundaries(padded_rows[row], cols, row, name="cu_seqlens_padded")
-        real = _real_boundaries(cu_rows[row], len(padded), row)
-        offset = merged[-1]
-        merged.extend(int(v) + offset for v in real[1:])
-        merged_padded.extend(int(v) + row * cols for v in padded[1:])
-    cu = np.asarray(merged, dtype=np.int64)
-    buffer = cu if padded_rows is None else np.asarray(merged_padded, dtype=np.int64)
-    longest = int(np.diff(cu).max())
-    max_seqlen = int(np.diff(buffer).max())  # the longest buffer segment, padding included
-    if batch.get("max_seqlen") is not None:
-        given = batch["max_seqlen"]
-        given_max = int(given.max().item() if isinstance(given, torch.Tensor) else np.max(given))
-        if given_max < longest:
-            raise ValueError(
-                f"max_seqlen={given_max} is below the longest document ({longest} tokens)"
-            )
-        max_seqlen = max(max_seqlen, given_max)
-    device = grid["tokens"].device
-    flat = {k: v.reshape(1, rows * cols) for k, v in grid.items()}
-    return PackedBatch(
-        tokens=flat["tokens"].to(TOKEN_DTYPE),
-        labels=flat["labels"].to(TOKEN_DTYPE),
-        loss_mask=flat["loss_mask"].to(MASK_DTYPE),
-        position_ids=flat["position_ids"].to(TOKEN_DTYPE),
-        cu_seqlens=torch.from_numpy(cu.astype(np.int32)).to(device),
-        cu_seqlens_padded=None
-        if padded_rows is None
-        else torch.from_numpy(buffer.astype(np.int32)).to(device),
-        max_seqlen=max_seqlen,
-    ).validate()
-
-
-def grid_tensor(
-    batch: Mapping[str, Any], name: str, shape: tuple[int, ...] | None = None
-) -> torch.Tensor:
-    """``batch[name]`` as a [b, s] tensor, checked against ``shape`` (default: ``batch['tokens']``'s)."""
-    if name not in batch or batch[name] is None:
-        raise ValueError(f"batch is missing {name!r} (got keys {sorted(batch)})")
-    value = batch[name]
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"batch[{name!r}] must be a torch.Tensor, got {type(value).__name__}")
-    if value.dim() != 2:
-        raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)}; expected [b, s]")
-    if name == "loss_mask":
-        if value.dtype.is_complex:
-            raise TypeError(
-                f"batch['loss_mask'] has dtype {value.dtype}; expected a real or bool mask"
-            )
-    elif value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-        raise TypeError(
-            f"batch[{name!r}] has dtype {value.dtype}; expected integer token ids/positions"
-        )
-    if shape is not None and tuple(value.shape) != shape:
-        raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)} but tokens has {shape}")
-    return value
-
-
 def _declared(
     value: Any, field: BatchField, grid: tuple[int, int], *, where: str, samples: int | None
 ) -> torch.Tensor:
@@ -331,76 +248,3 @@ def _local_cp_size(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"batch['local_cp_size'] must be an int >= 1, got {value!r}")
     return value
-
-
-def _cu_rows(batch: Mapping[str, Any], name: str, b: int) -> np.ndarray:
-    """``batch[name]`` as a [b, k] integer array ([k] is accepted for b == 1)."""
-    raw = batch[name]
-    rows = np.asarray(raw.detach().cpu() if isinstance(raw, torch.Tensor) else raw)
-    if rows.ndim == 1 and b == 1:
-        rows = rows[None]
-    if rows.ndim != 2 or rows.shape[0] != b:
-        raise ValueError(
-            f"{name} has shape {tuple(rows.shape)}; expected [b, k] with b={b} rows like tokens"
-        )
-    if not np.issubdtype(rows.dtype, np.integer):
-        raise TypeError(f"{name} must hold integers, got dtype {rows.dtype}")
-    return rows
-
-
-def _real_boundaries(values: np.ndarray, count: int, row: int) -> np.ndarray:
-    """A row's real-length boundaries next to padded ones: the first ``count`` entries, then sentinels.
-
-    Example: padded ``[0, 4, 8]`` (s=8) with real ``[0, 3, 5, -1]`` -> ``[0, 3, 5]``.
-    """
-    bounds, tail = values[:count], values[count:]
-    if len(bounds) < count or bounds[0] != 0 or (np.diff(bounds) <= 0).any():
-        raise ValueError(
-            f"cu_seqlens row {row} must start at 0 and rise strictly over the {count} boundaries of "
-            f"cu_seqlens_padded row {row}, got {values.tolist()}"
-        )
-    bad = tail[(tail != -1) & (tail != bounds[-1])]
-    if len(bad):
-        raise ValueError(
-            f"cu_seqlens row {row} has {int(bad[0])} after its {count} boundaries (the count of "
-            f"cu_seqlens_padded row {row}); only -1 or repeats of {int(bounds[-1])} may follow"
-        )
-    return bounds
-
-
-def _row_boundaries(values: np.ndarray, s: int, row: int, name: str = "cu_seqlens") -> np.ndarray:
-    """One row's boundaries up to the first ``s``; the rest must be sentinels (-1 or s)."""
-    if len(values) < 2 or values[0] != 0:
-        raise ValueError(
-            f"{name} row {row} must start with 0 and hold >= 2 boundaries, got {values.tolist()}"
-        )
-    past = values[values > s]
-    if len(past):
-        raise ValueError(
-            f"{name} row {row} has boundary {int(past[0])} past the sequence length s={s} "
-            f"(row {values.tolist()})"
-        )
-    hits = np.flatnonzero(values == s)
-    if len(hits) == 0:
-        real = values[values >= 0]
-        raise ValueError(
-            f"{name} row {row} never reaches the sequence length s={s} (last boundary "
-            f"{int(real.max())}; row {values.tolist()}); boundaries must cover the whole row, "
-            "padding included"
-        )
-    end = int(hits[0])
-    bounds, tail = values[: end + 1], values[end + 1 :]
-    bad_tail = tail[(tail != -1) & (tail != s)]
-    if len(bad_tail):
-        raise ValueError(
-            f"{name} row {row} has {int(bad_tail[0])} after reaching s={s}; after the last "
-            "boundary only -1 or repeats of s may follow"
-        )
-    step = np.diff(bounds)
-    if (step <= 0).any():
-        i = int(np.flatnonzero(step <= 0)[0])
-        raise ValueError(
-            f"{name} row {row} is not strictly increasing: {int(bounds[i + 1])} follows "
-            f"{int(bounds[i])} at index {i + 1} (row {values.tolist()})"
-        )
-    return bounds

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megapack import PackedBatch
-from megapack.core.items import merge_rows
+from megapack.core.rows import merge_rows
 
 
 def test_worked_example_lengths_3_2_4() -> None:
