@@ -99,7 +99,7 @@ class Prefetcher:
         nice: how much lower the thread's CPU priority is than the caller's, 0-19 (Linux; default
             10, so that waking it never preempts the training loop's thread; 0: the same).
         **options: passed on to every `get_batch_on_this_tp_rank` call (``cp_layout``,
-            ``sequence_parallel``, ``packed``).
+            ``sequence_parallel``, ``packed``, ``fields``).
 
     Every rank of the TP group must create it at the same point (the first prefetcher of a TP
     group creates its data group, collectively over the TP ranks) and close it at the same point.
