@@ -138,3 +138,66 @@ def test_seed_changes_the_search_not_the_guarantee() -> None:
     assert plans[0] == plan(
         lengths, 1000, algorithm="best", seed=0, time_limit_s=None, max_search_steps=400
     )
+
+
+class Recorder:
+    """Wraps PartialPacking to keep every attempt's state and record its objective, bins, pool."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.attempts: list[tuple[str, list[list[int]], list[int]]] = []
+        self.states: list[PartialPacking] = []
+        real = search_module.PartialPacking
+
+        def make(weights: Any, classes: Any, capacity: int, bins: Any, pool: Any, **kw: Any) -> Any:
+            self.attempts.append((kw["objective"], [list(b) for b in bins], list(pool)))
+            self.states.append(real(weights, classes, capacity, bins, pool, **kw))
+            return self.states[-1]
+
+        monkeypatch.setattr(search_module, "PartialPacking", make)
+
+
+@pytest.mark.parametrize("max_steps", [7, 50, 101])
+def test_search_spends_exactly_its_step_budget(
+    monkeypatch: pytest.MonkeyPatch, max_steps: int
+) -> None:
+    """Seven 4s at capacity 10: the bound says 3 bins, but two 4s per bin is the most (4 bins),
+    so the search never reaches its goal and spends its whole budget: the attempts' tabu steps
+    (at least one each) add up to exactly ``max_steps``. Attempts alternate the squared (first)
+    and the linear objective, and each deletes the 3 lightest of the 4 bins into the pool."""
+    sizes = np.array([4] * 7, dtype=np.int64)
+    start = best_fit_decreasing(sizes, 10)
+    record = Recorder(monkeypatch)
+    out = improve(sizes, start, 10, seed=1, time_limit_s=None, max_steps=max_steps, lower_bound=3)
+    assert np.array_equal(out, start)  # no packing with fewer bins exists
+    assert sum(max(state.steps, 1) for state in record.states) == max_steps
+    n = len(record.attempts)
+    assert [a[0] for a in record.attempts] == [SQUARED, LINEAR] * (n // 2) + [SQUARED] * (n % 2)
+    assert all(len(bins) == 1 for _, bins, _ in record.attempts)
+
+
+def test_search_tries_only_bins_without_items_over_half(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sizes 6 3 | 5 4 | 4 4 | 4 at capacity 10 (30 tokens, but no three bins hold them): the bin
+    with the 6 (over half a bin) never goes to the pool; the one with the 5 (exactly half) does,
+    so the first attempt deletes the other three bins."""
+    sizes = np.array([6, 3, 5, 4, 4, 4, 4], dtype=np.int64)
+    start = np.array([0, 0, 1, 1, 2, 2, 3])
+    record = Recorder(monkeypatch)
+    improve(sizes, start, 10, seed=0, time_limit_s=None, max_steps=3, lower_bound=3)
+    _, bins, pool = record.attempts[0]
+    assert bins == [[0, 1]] and sorted(pool) == [2, 3, 4, 5, 6]
+
+
+def test_search_works_on_the_bins_with_most_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With more bins with room than MAX_WORKING_BINS, the ones with the most free space (ties in
+    bin order) are searched; full bins never are; an input already at its bound comes back."""
+    monkeypatch.setattr(search_module, "MAX_WORKING_BINS", 4)
+    sizes = np.array([10, 9, 9, 3, 3, 8, 6, 5, 7, 3, 3], dtype=np.int64)
+    start = np.array([0, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9])  # free 0 1 1 4 2 4 5 3 7 7
+    record = Recorder(monkeypatch)
+    improve(sizes, start, 10, seed=0, time_limit_s=None, max_steps=1, lower_bound=1)
+    weights = record.states[0].w
+    assert sorted(weights) == [3, 3, 3, 3, 5]  # bins 8, 9, 6 and, of the two with 4 free, bin 3
+    at_bound = np.array([0, 0, 1])
+    assert improve(np.array([5, 5, 4]), at_bound, 10, lower_bound=2) is at_bound
+    one = np.array([0])
+    assert improve(np.array([5]), one, 10) is one  # one bin: nothing to remove
