@@ -224,6 +224,16 @@ def test_convert_rows_encodes_every_text_in_one_batch() -> None:
     assert tok.batched == [["plain", "p", "c", "question", "answer"]]
     assert not {"plain", "p", "c", "question", "answer"} & set(tok.single)
     assert len(tok.single) == len(set(tok.single))  # a header encoded once is reused
+    # renamed columns, and a row that is not an object before the chat: the same one call
+    renamed = {"conv": chat["messages"]}
+    rows = [RawRow("d:1", b"[1, 2]\n"), RawRow("d:2", renamed), RawRow("d:3", {"body": "x"})]
+    tok = Counting()
+    batch = convert_rows(rows, tok, {"fields": Fields(text="body", messages="conv")})
+    assert len(batch) == 2 and tok.batched == [["x", "question", "answer"]]
+    assert not {"x", "question", "answer"} & set(tok.single)
+    tok = Counting()
+    assert len(convert_rows([RawRow("d:1", b"{bad\n")], tok, {})) == 0
+    assert tok.batched == []  # nothing to encode: no call at all
 
 
 def test_prefetched_answers_from_its_cache() -> None:
@@ -301,6 +311,12 @@ def test_document_batch_head_is_a_whole_batch_of_the_first_documents() -> None:
     [
         (b'{"text": "\xff"}', False, "invalid UTF-8", b'{"text": "\xff"}',
          "bad byte at offset 10 of the line; re-encode the file as UTF-8"),
+        (b"{bad  \r", False, "invalid JSON", "{bad  ",
+         "Expecting property name enclosed in double quotes at column 2; each line must be one "
+         "complete JSON object"),
+        (b"{baX\r", False, "invalid JSON", "{baX",
+         "Expecting property name enclosed in double quotes at column 2; each line must be one "
+         "complete JSON object"),
         (b"{bad\r", False, "invalid JSON", "{bad",
          "Expecting property name enclosed in double quotes at column 2; each line must be one "
          "complete JSON object"),
