@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megapack.bench.datasets import bundled_lengths_path
@@ -362,6 +362,8 @@ def test_bfd_fills_part_of_a_bucket_then_one_bin_with_the_rest() -> None:
     capacity=st.sampled_from([8, 9, 10, 16]),
     algorithm=st.sampled_from(["bfd", "ffd"]),
 )
+@example(sizes=[1, 1, 1, 1, 2, 3], capacity=8, algorithm="bfd")  # numpy's default sort swaps 2, 3
+@example(sizes=[1, 1, 1, 1, 2, 3], capacity=8, algorithm="ffd")
 def test_greedy_decreasing_places_equal_sizes_in_input_order(
     sizes: list[int], capacity: int, algorithm: str
 ) -> None:
