@@ -200,13 +200,13 @@ def payload_of(pieces: list[torch.Tensor], nbytes: int, device: torch.device) ->
         host = torch.empty(nbytes, dtype=torch.uint8)
         write_payload(pieces, host.numpy().data)
         return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
-    chunks = []
+    chunks = []  # not empty: no pieces at all is the host path above
     for t in pieces:
         raw = t.to(device, non_blocking=True).contiguous().view(-1).view(torch.uint8)
         chunks.append(raw)
         if pad := -raw.numel() % 8:
             chunks.append(torch.zeros(pad, dtype=torch.uint8, device=device))
-    return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.cat(chunks)
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
