@@ -85,9 +85,7 @@ def cp_indices(
     cu = cu.to(torch.int64)
     chunk = (cu[1:] - cu[:-1]) // (2 * cp_size)  # [n] chunk length of every span
     total_local = (int(cu[-1]) if total is None else total) // cp_size
-    span = torch.repeat_interleave(
-        torch.arange(len(chunk), device=cu.device), 2 * chunk, output_size=total_local
-    )  # [T / cp] span of every local position
+    span = torch.repeat_interleave(2 * chunk, output_size=total_local)  # [T / cp] span of each
     local_start = torch.cumsum(2 * chunk, 0) - 2 * chunk  # where each span starts locally
     j = (
         torch.arange(total_local, device=cu.device) - local_start[span]
@@ -193,7 +191,7 @@ def take_share(
         return out
     tokens = values["tokens"]
     total = int(tokens.shape[1])
-    multiple = 2 * cp_size * (tp_size if sequence_parallel else 1)
+    multiple = 2 * cp_size * tp_size  # the padding sequence parallelism needs
     sp_hint = (
         f"; with sequence parallelism (tp={tp_size}) pad to a multiple of 2*cp*tp={multiple}"
         if sequence_parallel and tp_size > 1

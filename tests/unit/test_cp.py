@@ -117,3 +117,59 @@ def test_document_layout_equals_transformer_engine() -> None:
             want = tex.thd_get_partitioned_indices(cu_t, int(cu[-1]), cp, rank)
             got = cp_indices(cu_t, cp, rank, total=int(cu[-1]))
             assert got.tolist() == want.tolist(), (cp, rank)
+
+
+def test_the_docstring_refusal_in_full_with_the_default_layout_and_name() -> None:
+    with pytest.raises(ValueError) as info:
+        check_cp_spans([0, 8, 13], 2)
+    assert str(info.value) == (
+        "cu_seqlens document 1 spans 5 positions, not a multiple of 2*cp=4 (cp_size=2, "
+        "layout='document'): pack with pad_to_multiple_of=4 (--pad-multiple 4) so every document "
+        "is padded, or use cp_layout='row'"
+    )
+    check_cp_spans([0, 8, 16], 2)  # the document layout by default: spans of 8 divide by 4
+
+
+def test_the_row_refusal_in_full_names_the_rows_end() -> None:
+    with pytest.raises(ValueError) as info:
+        check_cp_spans([0, 3, 6], 2, layout="row")
+    assert str(info.value) == (
+        "the row holds 6 positions, not a multiple of 2*cp=4 (cp_size=2, layout='row'): pad rows "
+        "to a multiple of 4 (seq_len or pad_to_multiple_of)"
+    )
+
+
+@pytest.mark.parametrize(("cu", "shape"), [([5], "(1,)"), ([[0, 4], [0, 4]], "(2, 2)"), (5, "()")])
+def test_boundaries_that_are_not_1d_with_two_entries_are_named(cu: object, shape: str) -> None:
+    with pytest.raises(ValueError) as info:
+        cp_indices(cu, 2, 0)  # type: ignore[arg-type]
+    assert str(info.value) == f"cu_seqlens must be 1-D with >= 2 entries, got shape {shape}"
+
+
+@pytest.mark.parametrize(
+    ("cp_size", "cp_rank", "message"),
+    [
+        (True, 0, "cp_size must be an int >= 1, got True"),
+        (2.0, 0, "cp_size must be an int >= 1, got 2.0"),
+        (-1, 0, "cp_size must be an int >= 1, got -1"),
+        (2, True, "cp_rank must be an int in [0, 2), got True"),
+        (2, 1.0, "cp_rank must be an int in [0, 2), got 1.0"),
+        (2, -1, "cp_rank must be an int in [0, 2), got -1"),
+    ],
+)
+def test_bools_and_floats_are_not_cp_sizes_or_ranks(
+    cp_size: object, cp_rank: object, message: str
+) -> None:
+    with pytest.raises(ValueError) as info:
+        cp_indices([0, 8], cp_size, cp_rank)  # type: ignore[arg-type]
+    assert str(info.value) == message
+
+
+def test_with_total_the_boundaries_are_never_read_on_the_host() -> None:
+    # A meta tensor has no values: any host read of it (int(cu[-1]), a span check) raises, so this
+    # is what a GPU cu_seqlens goes through with total= (no device sync).
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32, device="meta")
+    got = cp_indices(cu, 2, 1, total=16)
+    assert got.device.type == "meta" and got.shape == (8,) and got.dtype == torch.int64
+    got = cp_indices(cu, 4, 3, layout="row", total=16)
+    assert got.device.type == "meta" and got.shape == (4,)

@@ -175,3 +175,50 @@ def test_packed_seq_params_carries_cp_group_and_local_cp_size() -> None:
     assert (
         psp.cu_seqlens_q_padded is cu and psp.cu_seqlens_kv_padded is cu and psp.max_seqlen_q == 4
     )
+
+
+SPAN_FIX = (
+    "not a multiple of 2*cp=4 (cp_size=2, layout='document'): pack with pad_to_multiple_of=4 "
+    "(--pad-multiple 4) so every document is padded, or use cp_layout='row' (in the packed batch)"
+)
+
+
+def test_a_padded_batchs_bad_span_names_cu_seqlens_padded_in_full() -> None:
+    # Documents of 3 and 5 tokens padded to multiples of 2: buffer spans 4 and 6 (6 % 4 != 0).
+    item = PackedBatch.from_documents([[1] * 3, [2] * 5], pad_to_multiple_of=2)
+    want = f"cu_seqlens_padded document 1 spans 6 positions, {SPAN_FIX}"
+    for kw in ({}, {"tp_size": 2}, {"tp_size": 1, "sequence_parallel": True},
+               {"sequence_parallel": True}):  # fmt: skip
+        with pytest.raises(ValueError) as info:
+            share(item, 1, **kw)
+        assert str(info.value) == want, kw  # no hint without sequence parallelism over tp > 1
+    with pytest.raises(ValueError) as info:
+        share(item, 1, tp_size=2, sequence_parallel=True)
+    assert str(info.value) == (
+        f"{want}; with sequence parallelism (tp=2) pad to a multiple of 2*cp*tp=8"
+    )
+
+
+def test_a_plain_batchs_bad_rows_in_full() -> None:
+    plain = {k: torch.zeros(2, 6, dtype=torch.long) for k in ("tokens", "labels", "position_ids")}
+    with pytest.raises(ValueError) as info:
+        share(plain | {"loss_mask": torch.ones(2, 6)}, 1)
+    assert str(info.value) == (
+        "the row holds 6 positions, not a multiple of 2*cp=4 (cp_size=2, layout='row'): pad rows "
+        "to a multiple of 4 (seq_len or pad_to_multiple_of) (in the plain [b, s] batch's rows)"
+    )
+
+
+def test_sequence_parallels_refusal_in_full_and_a_count_that_divides() -> None:
+    item = PackedBatch.from_documents([[1] * 4, [2] * 8])  # 12 tokens: 6 per CP rank
+    with pytest.raises(ValueError) as info:
+        share(item, 0, tp_size=4, sequence_parallel=True)
+    assert str(info.value) == (
+        "each CP rank keeps 6 of the row's 12 tokens, not a multiple of tp=4 as sequence "
+        "parallelism needs (cp_size=2): pack with pad_to_multiple_of=16 (--pad-multiple 16) or "
+        "pad rows to a multiple of 16"
+    )
+    out = share(item, 1, tp_size=2, sequence_parallel=True)  # 6 tokens divide by tp=2
+    assert out["tokens"].shape == (1, 6)
+    out = share(two_documents(), 1, tp_size=2, sequence_parallel=True)
+    assert out["tokens"].tolist() == [[2, 3, 4, 5, 10, 11, 12, 13]]
