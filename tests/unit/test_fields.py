@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megapack import BatchField, PackedBatch, Topology, align_by_kind, get_batch_on_this_tp_rank
-from megapack.core.fields import schema_of
+from megapack.core.fields import Stage, schema_of
 from megapack.packing.align import has_rows, zero_loss
 
 ADV = BatchField("advantages", "token", torch.float32, "last")
@@ -220,3 +220,14 @@ def test_has_rows_reads_packed_batches_and_dicts() -> None:
     assert has_rows(b, "pixel_values") and not has_rows(b, "other")
     assert not has_rows({"pixel_values": [torch.empty(0, 4)]}, "pixel_values")
     assert zero_loss(b).loss_mask.sum() == 0 and b.loss_mask.sum() > 0
+
+
+def test_bool_is_a_mask_fields_dtype_only() -> None:
+    mask = BatchField("causal", "mask", torch.bool, "all")  # as the built-in attention_mask
+    assert (mask.dtype, mask.share, mask.stage_set) == (torch.bool, "queries", frozenset(Stage))
+    for per in ("token", "sample", "ragged", "boundary", "scalar"):
+        with pytest.raises(ValueError) as info:
+            BatchField("flag", per, torch.bool, "all")  # type: ignore[arg-type]
+        assert str(info.value) == (
+            "BatchField 'flag': dtype=torch.bool; expected a float or integer dtype"
+        )
