@@ -48,11 +48,11 @@ def document_extras(
         if f.per == "token":
             row = torch.zeros(1, width, dtype=f.dtype)
             for i, (v, start, n) in enumerate(zip(values, starts, lengths, strict=True)):
-                if v is None or v.shape != (n,):
-                    got = None if v is None else tuple(v.shape)
+                assert v is not None  # _value raises for a missing per-token value
+                if v.shape != (n,):
                     raise ValueError(
-                        f"docs[{i}][{f.name!r}] has shape {got}; a per-token field has one value "
-                        f"per token of the document ({n})"
+                        f"docs[{i}][{f.name!r}] has shape {tuple(v.shape)}; a per-token field has "
+                        f"one value per token of the document ({n})"
                     )
                 row[0, start : start + n] = v
             out[f.name] = row
@@ -62,8 +62,8 @@ def document_extras(
 
 
 def join_rows(field: BatchField, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A field's values from several rows or documents joined as one PackedBatch holds them:
-    per token along the row (dim 1), per sample and ragged one after another (dim 0)."""
+    """A field's values from several rows or documents (at least one) joined as one PackedBatch
+    holds them: per token along the row (dim 1), per sample and ragged one after another (dim 0)."""
     if field.per == "token":
         return torch.cat(list(parts), dim=1)
     trailing = {tuple(p.shape[1:]) for p in parts if p.shape[0]}  # empty parts fit any
@@ -72,7 +72,7 @@ def join_rows(field: BatchField, parts: Sequence[torch.Tensor]) -> torch.Tensor:
             f"{field.name!r} has values with trailing dims {sorted(trailing)}; every sample's "
             "[n_i, ...] must agree after n_i"
         )
-    shape = trailing.pop() if trailing else tuple(parts[0].shape[1:]) if parts else ()
+    shape = trailing.pop() if trailing else tuple(parts[0].shape[1:])
     return torch.cat([p if p.shape[0] else p.reshape(0, *shape) for p in parts], dim=0)
 
 
