@@ -28,7 +28,6 @@ import dataclasses
 import logging
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -50,6 +49,7 @@ from megapack.bench.gpu import (
 from megapack.bench.gpu_checks import attention_checks, packed_vs_padded, sync_checks
 from megapack.bench.gpu_model import PRESET, TOY, GptShape, build_gpt, matmul_ceiling
 from megapack.bench.gpu_report import Check, Report, Status
+from megapack.bench.report import environment
 
 logger = logging.getLogger("megapack.bench.gpu_kit")
 
@@ -278,21 +278,11 @@ def _shape(shape: GptShape) -> str:
 
 
 def _notes(sizes: KitSizes, dry_run: bool) -> list[str]:
-    try:
-        from importlib.metadata import version
-
-        mcore = version("megatron-core")
-    except Exception:
-        mcore = "not installed"
-    root = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=5).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
+    env = environment(backend="none", launcher="one process")  # megatron-core's version, commit
+    mcore, commit = env["megatron_core"], env["commit"]
     t = sizes.throughput
     return [
-        f"python {platform.python_version()}, megatron-core {mcore}, commit {commit or 'unknown'}"
+        f"python {platform.python_version()}, megatron-core {mcore}, commit {commit}"
         + (", DRY RUN (CPU, toy sizes: no GPU numbers)" if dry_run else ""),
         f"model: {_shape(sizes.shape)}, {str(sizes.dtype).removeprefix('torch.')}; seq {', '.join(map(str, t.seq_lens))}; "
         f"{t.documents} documents a step, {t.rows} rows per micro-batch",
