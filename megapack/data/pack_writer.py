@@ -39,7 +39,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from megapack.checks import check_int
+from megapack.core.checks import check_int
 from megapack.data.convert import DocumentBatch
 from megapack.data.document import Document
 from megapack.data.layout import check_layout, plan_layout

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megapack.cli.progress import Progress
 from megapack.data import Document, PackedDataset, read_jsonl
 from megapack.data.convert import DocumentBatch
 from megapack.data.pack_writer import PackWriter
-from megapack.progress import Progress
 
 NAMES = ("tokens", "loss_mask", "doc_offsets", "slices", "bin_offsets")
 
@@ -166,8 +166,7 @@ def test_regression_pack_cli_resume_without_row_counts(
     """Issue 27 (8), through ``megapack pack --resume --checkpoint-every``: a ``.npy`` token
     stream has no row count, so the CLI relies on the writer's own count of documents and skips
     them with ``islice`` on resume."""
-    from megapack import progress
-    from megapack.cli import main
+    from megapack.cli import main, progress
 
     rng = np.random.default_rng(3)
     stream = np.concatenate(
