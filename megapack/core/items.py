@@ -134,7 +134,7 @@ def _from_dict(item: Mapping[str, Any], schema: Schema) -> Batch:
     if not is_packed:
         for name in GRID_NAMES:
             values[name] = grid_tensor(item, name, (rows, cols))
-        values["attention_mask"] = _attention_mask(item.get("attention_mask"), cols)
+        values["attention_mask"] = _attention_mask(item.get("attention_mask"), rows, cols)
         return Batch(Layout.PLAIN, values)
     if item.get("attention_mask") is not None:
         raise ValueError(
@@ -206,12 +206,15 @@ def _ragged(parts: Any, field: BatchField, samples: int | None, name: str) -> to
     return torch.cat(list(parts)) if parts else torch.empty(0, dtype=field.dtype)
 
 
-def _attention_mask(mask: Any, cols: int) -> torch.Tensor | None:
-    is_mask = isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == cols
-    if mask is not None and not is_mask:
+def _attention_mask(mask: Any, rows: int, cols: int) -> torch.Tensor | None:
+    """A plain batch's optional mask, exactly [b, 1, s, s] as Megatron's receivers expect it."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (rows, 1, cols, cols):
         got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(
-            f"batch['attention_mask'] is {got}; expected a [b, 1, s, s] tensor with s={cols}"
+            f"batch['attention_mask'] is {got}; expected a [b, 1, s, s] tensor with b={rows} "
+            f"and s={cols}"
         )
     return mask
 

@@ -46,7 +46,7 @@ def test_single_rank_path_and_clean_stop() -> None:
                 "attention_mask": torch.ones(1, 1, 3, 3, dtype=torch.bool),
             },
             ValueError,
-            r"attention_mask'\] is \(1, 1, 3, 3\); expected a \[b, 1, s, s\] tensor with s=4",
+            r"attention_mask'\] is \(1, 1, 3, 3\); expected a \[b, 1, s, s\] tensor with b=1 and s=4",
         ),
     ],
 )
