@@ -82,7 +82,8 @@ def merge_rows(batch: Mapping[str, Any]) -> PackedBatch:
 def grid_tensor(
     batch: Mapping[str, Any], name: str, shape: tuple[int, ...] | None = None
 ) -> torch.Tensor:
-    """``batch[name]`` as a [b, s] tensor, checked against ``shape`` (default: ``batch['tokens']``'s)."""
+    """``batch[name]`` as a [b, s] tensor, checked against ``shape`` (None: ``batch['tokens']``
+    itself, which must hold at least one token)."""
     if name not in batch or batch[name] is None:
         raise ValueError(f"batch is missing {name!r} (got keys {sorted(batch)})")
     value = batch[name]
@@ -101,6 +102,11 @@ def grid_tensor(
         )
     if shape is not None and tuple(value.shape) != shape:
         raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)} but tokens has {shape}")
+    if shape is None and not value.numel():
+        raise ValueError(
+            f"batch[{name!r}] has shape {tuple(value.shape)}; a micro-batch needs at least one "
+            "row of at least one token"
+        )
     return value
 
 

@@ -48,3 +48,15 @@ def test_regression_an_attention_mask_not_b_1_s_s_is_refused(shape: tuple[int, .
     )
     ok = normalize(plain() | {"attention_mask": torch.ones(2, 1, S, S, dtype=torch.bool)}, SCHEMA)
     assert ok.values["attention_mask"].shape == (2, 1, S, S)
+
+
+@pytest.mark.parametrize("make", [plain, sft], ids=["plain", "sft"])
+def test_regression_a_batch_without_rows_or_tokens_is_refused(make: Any) -> None:
+    # A plain [0, s] batch was delivered as an empty micro-batch, an SFT one failed in numpy
+    # ("zero-size array to reduction operation maximum").
+    for rows, cols in ((0, S), (2, 0)):
+        item = {k: v[:rows, :cols] if k != "cu_seqlens" else v for k, v in make().items()}
+        assert refusal(item) == (
+            f"batch['tokens'] has shape ({rows}, {cols}); a micro-batch needs at least one row "
+            "of at least one token"
+        )
