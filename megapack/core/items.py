@@ -91,7 +91,7 @@ def _from_packed_batch(item: PackedBatch, schema: Schema) -> Batch:
         if field.name not in extras:
             raise ValueError(
                 f"PackedBatch.extras has no {field.name!r}, declared in fields= (extras: "
-                f"{sorted(extras)})"
+                f"{sorted(b.extras)})"
             )
         values[field.name] = _declared(extras.pop(field.name), field, (1, b.num_tokens),
                                        where="PackedBatch.extras", samples=None)  # fmt: skip

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
+from megapack import BatchField, PackedBatch
 from megapack.core.fields import schema_of
 from megapack.core.items import normalize
 
@@ -60,3 +62,26 @@ def test_regression_a_batch_without_rows_or_tokens_is_refused(make: Any) -> None
             f"batch['tokens'] has shape ({rows}, {cols}); a micro-batch needs at least one row "
             "of at least one token"
         )
+
+
+# ---------------------------------------------------------------- PackedBatch extras
+
+ADV = BatchField("adv", "token", torch.float32, "last")
+OLD = BatchField("old", "token", torch.float32, "last")
+
+
+def test_packed_batch_extras_refusals_in_full() -> None:
+    row = PackedBatch.from_documents([{"tokens": [1, 2], "adv": [0.5, 1.5]}], fields=(ADV,))
+    schema = schema_of((ADV,))
+    assert refusal(row, SCHEMA) == (
+        "PackedBatch.extras has undeclared keys ['adv']: declare each with "
+        "fields=(megapack.BatchField(name, per, dtype, stages), ...) or drop it"
+    )
+    assert refusal(row, schema_of((ADV, OLD))) == (
+        "PackedBatch.extras has no 'old', declared in fields= (extras: ['adv'])"
+    )
+    wide = dataclasses.replace(row, extras={"adv": row.extras["adv"].double()})
+    assert refusal(wide, schema, TypeError) == (
+        "PackedBatch.extras['adv'] has dtype torch.float64 but fields= declares torch.float32 "
+        "(values travel bit-exact, never converted: pass torch.float32)"
+    )
