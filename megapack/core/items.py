@@ -203,7 +203,7 @@ def _ragged(parts: Any, field: BatchField, samples: int | None, name: str) -> to
             )
         if p.dtype != field.dtype:
             raise TypeError(f"{name}[{i}] has dtype {p.dtype} but fields= declares {field.dtype}")
-    return torch.cat(list(parts)) if parts else torch.empty(0, dtype=field.dtype)
+    return torch.cat(list(parts))  # b >= 1 parts (`grid_tensor` refuses a batch of no row)
 
 
 def _attention_mask(mask: Any, rows: int, cols: int) -> torch.Tensor | None:
