@@ -102,7 +102,7 @@ def grid_tensor(
         )
     if shape is not None and tuple(value.shape) != shape:
         raise ValueError(f"batch[{name!r}] has shape {tuple(value.shape)} but tokens has {shape}")
-    if shape is None and not value.numel():
+    if not value.numel():  # (the others are checked against tokens, which this refuses empty)
         raise ValueError(
             f"batch[{name!r}] has shape {tuple(value.shape)}; a micro-batch needs at least one "
             "row of at least one token"
