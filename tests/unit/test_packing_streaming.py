@@ -260,3 +260,26 @@ def test_compute_windows_are_dealt_with_the_seed_and_the_bins_so_far() -> None:
         costs = np.array([cost.row_cost([p.stop - p.start for p in b]) for b in window])
         order = compute_order(np.arange(len(window)), costs, **layout, seed=(seed, 0))
         assert triples(packer.pack(lengths)) == triples([window[i] for i in order])
+
+
+def test_each_round_calls_plan_with_its_seed_budget_and_no_time_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The module's determinism promise, checked where it is made: round ``k`` plans its pieces
+    with ``algorithm``, seed ``SeedSequence([seed, k])``, the step budget, no time limit, and
+    "error" for long pieces (they were cut to the capacity on the way in)."""
+    calls: list[dict] = []
+    real = streaming_module.plan
+
+    def spy(lengths: object, capacity: int, **kw: object) -> object:
+        calls.append(kw)
+        return real(lengths, capacity, **kw)
+
+    monkeypatch.setattr(streaming_module, "plan", spy)
+    packer = StreamingPacker(10, buffer_size=3, algorithm="best", seed=7, search_steps=40)
+    list(packer.pack([4, 3, 12, 5, 6, 2, 2]))
+    assert len(calls) == packer.rounds >= 3
+    for k, kw in enumerate(calls):
+        seed = int(np.random.SeedSequence([7, k]).generate_state(1)[0])
+        assert kw == {"algorithm": "best", "long_docs": "error", "seed": seed,
+                      "time_limit_s": None, "max_search_steps": 40}  # fmt: skip
