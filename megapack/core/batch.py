@@ -262,7 +262,7 @@ class PackedBatch:
             if cu_padded is None
             else torch.from_numpy(cu_padded.astype(np.int32)),
             max_seqlen=int(segment_lens.max()),
-            extras=document_extras(docs, fields, starts, lengths, width) if fields else {},
+            extras=document_extras(docs, fields, starts, lengths, width),
         ).validate()
 
     @classmethod

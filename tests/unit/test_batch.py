@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
 import torch
 
-from megapack import PackedBatch
+from megapack import BatchField, PackedBatch
 from megapack.core.rows import merge_rows
 
 
@@ -280,3 +281,213 @@ def test_to_packed_seq_params_is_thd_with_int_maxima() -> None:
     assert p.cu_seqlens_q is b.cu_seqlens and p.cu_seqlens_kv is b.cu_seqlens
     assert p.cu_seqlens_q_padded is b.cu_seqlens_padded
     assert p.max_seqlen_q == 4 and type(p.max_seqlen_q) is int and p.max_seqlen_kv == 4
+
+
+# ---------------------------------------------------------------- refusals in full, devices, concat
+
+
+def refusal(batch: PackedBatch, error: type = ValueError) -> str:
+    with pytest.raises(error) as info:
+        batch.validate()
+    return str(info.value)
+
+
+def i32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+GOOD = PackedBatch.from_documents([[5, 6, 7], [8, 9]])  # T = 5, cu_seqlens [0, 3, 5]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"cu_seqlens": i32([0, 3, 4])}, "PackedBatch.cu_seqlens ends at 4 but the buffer has T=5 "
+         "tokens; cover trailing padding with a final segment or give cu_seqlens_padded"),
+        ({"cu_seqlens": i32([1, 3, 5])}, "PackedBatch.cu_seqlens must start at 0 and hold >= 2 entries, got [1, 3, 5]"),
+        ({"cu_seqlens": i32([0])}, "PackedBatch.cu_seqlens must start at 0 and hold >= 2 entries, got [0]"),
+        ({"cu_seqlens": i32(list(range(1, 11)))},
+         "PackedBatch.cu_seqlens must start at 0 and hold >= 2 entries, got [1, 2, 3, 4, 5, 6, 7, 8]"),
+        ({"cu_seqlens": i32([0, 1, 1, 5])}, "PackedBatch.cu_seqlens is not strictly increasing: 1 follows 1 at index 2"),
+        ({"cu_seqlens_padded": i32([0, 4])}, "PackedBatch.cu_seqlens_padded has 2 entries but cu_seqlens has 3"),
+        ({"cu_seqlens_padded": i32([1, 4, 5])},
+         "PackedBatch.cu_seqlens_padded must start at 0 and hold >= 2 entries, got [1, 4, 5]"),
+        ({"cu_seqlens": i32([0, 1, 3, 5]), "cu_seqlens_padded": i32([0, 2, 4, 6])},
+         "PackedBatch.cu_seqlens_padded ends at 6 but the buffer has T=5 tokens"),
+        ({"cu_seqlens": i32([0, 2, 4, 5]), "cu_seqlens_padded": i32([0, 3, 4, 5])},
+         "PackedBatch.cu_seqlens_padded segment 1 holds 1 positions but document 1 has 2 tokens"),
+    ],
+    ids=["ends-short", "not-from-0", "one-entry", "first-8-entries", "repeat", "padded-count",
+         "padded-not-from-0", "padded-end", "padded-segment"],
+)  # fmt: skip
+def test_boundary_refusals_in_full(change: dict, message: str) -> None:
+    assert refusal(dataclasses.replace(GOOD, **change)) == message
+
+
+def test_boundaries_that_are_not_a_tensor_are_refused_in_full() -> None:
+    assert refusal(dataclasses.replace(GOOD, cu_seqlens=[0, 3, 5]), TypeError) == (
+        "PackedBatch.cu_seqlens must be a torch.Tensor, got list"
+    )
+
+
+def test_an_empty_row_is_refused_and_a_row_of_one_token_is_a_batch() -> None:
+    empty = torch.zeros(1, 0, dtype=torch.int64)
+    bare = dataclasses.replace(GOOD, tokens=empty, labels=empty, position_ids=empty,
+                               loss_mask=torch.zeros(1, 0))  # fmt: skip
+    assert refusal(bare) == "PackedBatch.tokens is empty (T == 0)"
+    one = PackedBatch.from_documents([[7]])
+    assert one.num_tokens == 1 and one.cu_seqlens.tolist() == [0, 1] and one.max_seqlen == 1
+
+
+@pytest.mark.parametrize("shape", [(2, 5), (1, 1, 5), (5, 1)], ids=str)
+def test_grid_fields_that_agree_on_a_shape_other_than_1_by_t_are_refused(
+    shape: tuple[int, ...],
+) -> None:
+    # All four fields share the shape, so only the [1, T] rule can refuse them.
+    t = shape[-1]
+    ids = torch.arange(math.prod(shape)).reshape(shape)
+    bad = dataclasses.replace(GOOD, tokens=ids, labels=ids, position_ids=ids,
+                              loss_mask=torch.ones(shape), cu_seqlens=i32([0, t]))  # fmt: skip
+    assert refusal(bad) == (
+        f"PackedBatch.tokens has shape {shape}; THD batches are [1, T] (concatenate micro-batch "
+        "rows into one)"
+    )
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that reports being on cuda:0, as a field left on the GPU would."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+    def get_device(self) -> int:  # type: ignore[override]
+        return 0
+
+
+@pytest.mark.parametrize(
+    "names", [("labels", "position_ids"), ("position_ids",), ("loss_mask",)], ids="+".join
+)
+def test_grid_fields_on_another_device_than_tokens_are_refused(names: tuple[str, ...]) -> None:
+    moved = {n: getattr(GOOD, n).as_subclass(_OnCuda) for n in names}
+    assert refusal(dataclasses.replace(GOOD, **moved)) == (
+        f"PackedBatch.{names[0]} is on cuda:0 but tokens is on cpu"
+    )
+
+
+class _CudaBoundaries(_OnCuda):
+    """Boundaries on cuda:0: numpy() fails as it does on a GPU; cpu() is the one host copy."""
+
+    def numpy(self, *args: object, **kwargs: object) -> np.ndarray:  # type: ignore[override]
+        raise TypeError("can't convert cuda:0 device type tensor to numpy")
+
+    def cpu(self, *args: object, **kwargs: object) -> torch.Tensor:  # type: ignore[override]
+        return self.as_subclass(torch.Tensor)
+
+
+def test_boundaries_on_a_gpu_are_checked_through_one_host_copy() -> None:
+    b = dataclasses.replace(GOOD, cu_seqlens=GOOD.cu_seqlens.as_subclass(_CudaBoundaries))
+    assert b.validate() is b
+    bad = dataclasses.replace(b, cu_seqlens=i32([0, 3, 3, 5]).as_subclass(_CudaBoundaries))
+    assert (
+        refusal(bad) == "PackedBatch.cu_seqlens is not strictly increasing: 3 follows 3 at index 2"
+    )
+
+
+def test_concat_of_padded_rows_offsets_both_boundaries_row_by_row() -> None:
+    # Rows: real [3, 2] in buffers [4, 4]; real [2] in [4]; real [1] in [2].
+    rows = [PackedBatch.from_documents(d, pad_to_multiple_of=m)
+            for d, m in (([[1, 2, 3], [4, 5]], 4), ([[6, 7]], 4), ([[8]], 2))]  # fmt: skip
+    b = PackedBatch.concat(rows)
+    assert b.cu_seqlens.tolist() == [0, 3, 5, 7, 8]
+    assert b.cu_seqlens_padded is not None
+    assert b.cu_seqlens_padded.tolist() == [0, 4, 8, 12, 14]
+    assert b.tokens.tolist() == [[1, 2, 3, 0, 4, 5, 0, 0, 6, 7, 0, 0, 8, 0]]
+    assert b.max_seqlen == 4
+
+
+def test_concat_of_three_unpadded_rows_and_of_one_row() -> None:
+    rows = [PackedBatch.from_documents(d) for d in ([[1, 2, 3], [4]], [[5, 6]], [[7], [8, 9]])]
+    b = PackedBatch.concat(rows)
+    assert b.cu_seqlens.tolist() == [0, 3, 4, 6, 7, 9] and b.cu_seqlens_padded is None
+    alone = PackedBatch.concat(rows[:1])
+    assert alone.cu_seqlens.tolist() == [0, 3, 4] and torch.equal(alone.tokens, rows[0].tokens)
+
+
+def test_concat_refusals_in_full() -> None:
+    with pytest.raises(ValueError) as info:
+        PackedBatch.concat([])
+    assert str(info.value) == "PackedBatch.concat needs at least one row"
+    padded = PackedBatch.from_documents([[1, 2, 3]], pad_to_multiple_of=2)
+    with pytest.raises(ValueError) as info:
+        PackedBatch.concat([GOOD, padded])
+    assert str(info.value) == (
+        "PackedBatch.concat: some rows have cu_seqlens_padded and some do not"
+    )
+    adv = PackedBatch.from_documents([{"tokens": [1, 2], "adv": [0.5, 1.0]}],
+                                     fields=(BatchField("adv", "token", torch.float32, "last"),))  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        PackedBatch.concat([adv, adv])
+    assert str(info.value) == (
+        "PackedBatch.concat: rows hold extras ['adv'] but fields= declares []: every row must "
+        "hold every declared field and no other (its declaration says how to join it)"
+    )
+
+
+def test_from_documents_refusals_in_full() -> None:
+    with pytest.raises(ValueError) as info:
+        PackedBatch.from_documents([])
+    assert str(info.value) == "docs is empty: a PackedBatch needs at least one document"
+    with pytest.raises(TypeError) as info:
+        PackedBatch.from_documents(["hello"])
+    assert str(info.value) == (
+        "docs[0] is a str ('hello'); expected token ids: tokenize text first, e.g. with "
+        "megapack.data.read_documents or a Tokenizer"
+    )
+    with pytest.raises(ValueError) as info:
+        PackedBatch.from_documents([{"tokens": [1, 2, 3], "loss_mask": 1}])
+    assert str(info.value) == "docs[0] loss_mask has 0 entries but the document has 3 tokens"
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("a" * 38, "'" + "a" * 38 + "'"),  # a repr of 40 characters is shown whole
+        ("a" * 39, "'" + "a" * 36 + "..."),  # 41: cut to 37 and "..."
+        ("a" * 60, "'" + "a" * 36 + "..."),
+    ],
+    ids=["40", "41", "62"],
+)
+def test_a_text_document_is_previewed_in_at_most_40_characters(text: str, shown: str) -> None:
+    with pytest.raises(TypeError) as info:
+        PackedBatch.from_documents([[1], text])
+    assert str(info.value).startswith(f"docs[1] is a str ({shown}); expected token ids")
+
+
+def test_an_object_with_tokens_but_no_loss_mask_is_not_a_data_document() -> None:
+    class Holder:
+        tokens = (1, 2, 3)
+
+    with pytest.raises(ValueError, match=r"docs\[0\] must be a non-empty 1-D token sequence"):
+        PackedBatch.from_documents([Holder()])
+
+
+def test_a_numpy_pad_id_still_gives_int64_tokens_and_labels() -> None:
+    b = PackedBatch.from_documents([[5, 6, 7]], seq_len=5, pad_token_id=np.int32(2))
+    assert b.tokens.dtype == b.labels.dtype == torch.int64
+    assert b.tokens.tolist() == [[5, 6, 7, 2, 2]] and b.labels.tolist() == [[6, 7, 2, 2, 2]]
+
+
+def test_a_valid_batch_passes_the_one_pass_check_without_the_field_by_field_walk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # validate runs on every transfer: a batch that keeps the contract must not pay for the walk
+    # that names the broken field (it only runs when the one-pass check fails).
+    def walk(self: PackedBatch) -> None:
+        raise AssertionError("the field-by-field walk ran on a valid batch")
+
+    monkeypatch.setattr(PackedBatch, "_check_grid", walk)
+    for b in (GOOD, PackedBatch.from_documents([[1, 2, 3]], pad_to_multiple_of=4, seq_len=8)):
+        assert b.validate() is b
+    with pytest.raises(AssertionError, match="walk ran"):
+        dataclasses.replace(GOOD, labels=GOOD.labels[:, :4]).validate()
