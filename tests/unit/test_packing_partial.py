@@ -8,7 +8,7 @@ import itertools
 import random
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megapack.packing.partial import LINEAR, PAIR_LIMIT, SQUARED, TENURE, PartialPacking
@@ -67,6 +67,31 @@ def best_swap_change(p: PartialPacking, weights: list[int], value: list[int]) ->
 
 @settings(max_examples=150, deadline=None)
 @given(state=states(), steps=st.integers(1, 6))
+# cases found by search where a changed objective or a missing pair makes another swap the best
+@example(
+    state=(
+        [1, 1, 1, 1, 1, 1, 5, 5, 10],
+        10,
+        [[0, 1, 2, 3, 4, 5], [], [], [], []],
+        [6, 7, 8],
+        LINEAR,
+        0,
+    ),
+    steps=1,
+)
+@example(
+    state=(
+        [5, 1, 1, 1, 5, 1, 1, 1, 8, 1],
+        8,
+        [[1, 5, 6], [7, 9], [4], [2, 3], [0]],
+        [8],
+        LINEAR,
+        0,
+    ),
+    steps=1,
+)
+@example(state=([1, 2], 8, [[1], [], [], [], []], [0], LINEAR, 0), steps=1)
+@example(state=([1, 1], 8, [[0], [], [], [], []], [1], LINEAR, 0), steps=1)
 def test_partial_tabu_step_makes_the_best_allowed_swap(state: tuple, steps: int) -> None:
     weights, capacity, _, _, objective, _ = state
     p = make(state)
