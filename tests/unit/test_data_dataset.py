@@ -267,3 +267,16 @@ def test_save_and_load_details(tmp_path: Path) -> None:
         ValueError, match=rf"^{out / 'meta.json'}: format version 2, this megapack reads 1$"
     ):
         PackedDataset.load(out)
+
+
+def test_empty_corpus_messages_name_the_cause() -> None:
+    with pytest.raises(ValueError, match=r"^documents is empty: nothing to pack$"):
+        PackedDataset([], 64)
+    with pytest.raises(
+        ValueError,
+        match=r"^documents is empty: the iterator \(list_iterator\) yielded no documents\. "
+        r"read_documents\(\.\.\.\) returns a one-pass iterator: if an earlier PackedDataset or "
+        r"list\(\) consumed it, call read_documents again, or keep docs = "
+        r"list\(read_documents\(\.\.\.\)\) to reuse$",
+    ):
+        PackedDataset(iter([]), 64)
