@@ -281,9 +281,7 @@ def _recv_prefix(sock: socket.socket, deadline: float) -> tuple[bytes, int | Non
         rest = bytearray(_PREFIX.size - len(data))
         recv_exact(sock, memoryview(rest), deadline)
         data += bytes(rest)
-    for extra in fds[1:]:
-        os.close(extra)
-    return data, (fds[0] if fds else None)
+    return data, (fds[0] if fds else None)  # at most one: the kernel drops any more (MSG_CTRUNC)
 
 
 def recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:

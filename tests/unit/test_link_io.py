@@ -4,6 +4,7 @@ buffer, sealed read-only shared memory, the frame sequence check, and deadlines 
 from __future__ import annotations
 
 import fcntl
+import gc
 import mmap
 import os
 import socket
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import torch
 
 from megapack.core.errors import CollectiveError
 from megapack.delivery import link as link_module
@@ -161,3 +163,309 @@ def test_the_source_segment_cannot_be_shrunk(pair: tuple[LocalLink, LocalLink]) 
         mmap.mmap(fd, 4096, prot=mmap.PROT_READ).close()
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------- frames, segments, failures in full
+
+UNUSABLE = (
+    "over the local link. A peer is stuck, has crashed, or is not calling the same step; the group "
+    "is now unusable"
+)
+needs_shared = pytest.mark.skipif(
+    not link_module.SHARED_OK, reason="needs memfd_create and send_fds (Linux)"
+)
+
+
+def open_fds() -> int:
+    """This process's open descriptors, once collected garbage (an old link's) let go of its own."""
+    gc.collect()
+    return len(os.listdir("/proc/self/fd"))
+
+
+def fill(n: int, value: int) -> object:
+    """A ``write`` for `LocalLink.send_frame` that fills the frame with ``value``."""
+
+    def write(frame: np.ndarray) -> None:
+        assert len(frame) == n
+        frame[:] = value
+
+    return write
+
+
+def test_parts_of_every_kind_go_back_to_back(pair: tuple[LocalLink, LocalLink]) -> None:
+    source, peer = pair
+    parts = [torch.tensor([1, -2], dtype=torch.int64), np.array([[1.5, 2.0]], dtype=np.float32),
+             b"xyz", bytearray(b"\x00\xff")]  # fmt: skip
+    source.send(parts, what="frame", timeout=5)
+    want = parts[0].numpy().tobytes() + parts[1].tobytes() + b"xyz" + b"\x00\xff"
+    assert bytes(peer.receive(what="frame", timeout=5)) == want
+
+
+@needs_shared
+def test_frames_from_64_kib_go_through_shared_memory_smaller_ones_on_the_socket(
+    pair: tuple[LocalLink, LocalLink],
+) -> None:
+    source, peer = pair
+    small = link_module.SHARED_MIN_BYTES - 1
+    for n, value, through_shared in ((small, 1, False), (small + 1, 2, True), (100, 3, False)):
+        _, shared = source.send_frame(n, fill(n, value), what="frame", timeout=5)  # type: ignore[arg-type]
+        got = peer.receive(what="frame", timeout=5)
+        assert shared is through_shared and len(got) == n and set(got.tolist()) == {value}, n
+        if not through_shared and source.shared is None:
+            assert peer.shared is None  # no segment until a frame needs one
+
+
+@needs_shared
+def test_the_segment_is_kept_while_frames_fit_and_grows_by_a_quarter_or_doubles(
+    pair: tuple[LocalLink, LocalLink],
+) -> None:
+    source, peer = pair
+    mib = 1 << 20
+    sizes = [(70_000, mib), (mib, mib), (3 * mib // 2, 2 * mib), (4 * mib, 5 * mib)]
+    mapped = None
+    for i, (n, segment) in enumerate(sizes):
+        _, shared = source.send_frame(n, fill(n, i), what="frame", timeout=5)  # type: ignore[arg-type]
+        got = peer.receive(what="frame", timeout=5)
+        assert shared and len(got) == n and got[0] == got[-1] == i
+        assert source.shared_bytes == peer.shared_bytes == segment, n
+        if n == mib:  # exactly the segment's size: the same mapping, no new descriptor
+            assert peer.shared is mapped
+        mapped = peer.shared
+
+
+@needs_shared
+def test_without_shared_memory_to_be_had_a_large_frame_goes_on_the_socket(
+    pair: tuple[LocalLink, LocalLink], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source, peer = pair
+
+    def no_memory(fd: int, size: int) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    before = open_fds()
+    monkeypatch.setattr(os, "ftruncate", no_memory)
+    _, shared = source.send_frame(100_000, fill(100_000, 7), what="frame", timeout=5)  # type: ignore[arg-type]
+    got = peer.receive(what="frame", timeout=5)
+    assert not shared and len(got) == 100_000 and set(got.tolist()) == {7}
+    assert source.shared is None and peer.shared is None and open_fds() == before
+
+
+@needs_shared
+def test_a_write_that_fails_sends_nothing_and_leaves_the_link_in_step(
+    pair: tuple[LocalLink, LocalLink],
+) -> None:
+    source, peer = pair
+
+    def boom(frame: np.ndarray) -> None:
+        raise RuntimeError("boom")
+
+    source.send([b"first"], what="frame", timeout=5)
+    assert bytes(peer.receive(what="frame", timeout=5)) == b"first"
+    before = open_fds()
+    with pytest.raises(RuntimeError, match="boom"):  # a new segment the peer never hears of
+        source.send_frame(100_000, boom, what="frame", timeout=5)
+    assert (source.shared, source.shared_bytes) == (None, 0) and open_fds() == before
+    with pytest.raises(RuntimeError, match="boom"):  # and a small frame
+        source.send_frame(10, boom, what="frame", timeout=5)
+    source.send([np.full(100_000, 9, dtype=np.uint8)], what="frame", timeout=0.5)  # no ack due
+    got = peer.receive(what="frame", timeout=5)
+    assert len(got) == 100_000 and set(got.tolist()) == {9} and peer.shared is not None
+
+
+def test_a_peer_waiting_past_its_timeout_fails_at_once_in_full(
+    pair: tuple[LocalLink, LocalLink],
+) -> None:
+    _, peer = pair
+    start = time.monotonic()
+    with pytest.raises(CollectiveError) as info:
+        peer.receive(what="frame", timeout=0.05)
+    assert time.monotonic() - start < 0.5
+    assert str(info.value) == (
+        "frame timed out (timeout 0.05 s, set by timeout= or $MEGAPACK_TIMEOUT_S) on rank 1 "
+        f"receiving from rank 0 {UNUSABLE}"
+    )
+    assert peer.closed
+
+
+def test_a_source_waiting_for_an_ack_past_its_timeout_fails_at_once_in_full(
+    pair: tuple[LocalLink, LocalLink],
+) -> None:
+    source, _ = pair
+    source.send([b"never acknowledged"], what="frame", timeout=5)
+    start = time.monotonic()
+    with pytest.raises(CollectiveError) as info:
+        source.send([b"next"], what="frame", timeout=0.05)
+    assert time.monotonic() - start < 0.5
+    assert str(info.value) == (
+        "frame timed out (timeout 0.05 s, set by timeout= or $MEGAPACK_TIMEOUT_S) on rank 0 "
+        f"sending to rank 1 {UNUSABLE}"
+    )
+
+
+def _send_in_thread(send: object) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            send()  # type: ignore[operator]
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def _stuck_send_fails(
+    pair: tuple[LocalLink, LocalLink], send: object, timeout: float
+) -> CollectiveError:
+    """``send`` (blocked on a peer that does not read) must fail by itself within its timeout."""
+    _, peer = pair
+    start = time.monotonic()
+    thread, errors = _send_in_thread(send)
+    thread.join(timeout + 2)
+    if thread.is_alive():
+        peer.close()  # unblock the sender before failing
+        thread.join(5)
+        pytest.fail(f"the send was still blocked {timeout + 2} s after a {timeout} s timeout")
+    assert time.monotonic() - start < timeout + 0.6  # (not a second more: the wait is bounded)
+    assert len(errors) == 1 and isinstance(errors[0], CollectiveError), errors
+    return errors[0]
+
+
+def test_a_source_blocked_on_a_peer_that_stopped_reading_times_out(
+    pair: tuple[LocalLink, LocalLink], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(link_module, "SHARED_OK", False)
+    source, _ = pair
+    body = np.zeros(8 << 20, dtype=np.uint8)
+    error = _stuck_send_fails(
+        pair, lambda: source.send([body], what="frame", timeout=0.2), timeout=0.2
+    )
+    assert str(error) == (
+        "frame timed out (timeout 0.2 s, set by timeout= or $MEGAPACK_TIMEOUT_S) on rank 0 "
+        f"sending to rank 1 {UNUSABLE}"
+    )
+
+
+@needs_shared
+def test_a_new_segment_announced_to_a_peer_that_stopped_reading_times_out(
+    pair: tuple[LocalLink, LocalLink],
+) -> None:
+    source, _ = pair
+    sock = source.peers[1]
+    sock.setblocking(False)
+    with pytest.raises(BlockingIOError):  # the peer's socket buffer, full of unread bytes
+        while True:
+            sock.send(bytes(65536))
+    sock.setblocking(True)
+    error = _stuck_send_fails(
+        pair, lambda: source.send_frame(100_000, fill(100_000, 1), what="frame", timeout=0.2),  # type: ignore[arg-type]
+        timeout=0.2,
+    )  # fmt: skip
+    assert "timed out (timeout 0.2 s" in str(error) and "sending to rank 1" in str(error)
+
+
+def test_a_slow_peer_is_waited_for_within_the_timeout(
+    pair: tuple[LocalLink, LocalLink], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(link_module, "SHARED_OK", False)  # 8 MiB on the socket: it fills up
+    source, peer = pair
+    got: list[np.ndarray] = []
+    reader = threading.Timer(0.3, lambda: got.append(peer.receive(what="frame", timeout=10)))
+    reader.start()
+    body = np.random.default_rng(1).integers(0, 256, 8 << 20, dtype=np.uint8)
+    source.send([body], what="frame", timeout=10)
+    reader.join(10)
+    assert len(got) == 1 and np.array_equal(got[0], body)
+
+
+def test_sending_to_a_closed_peer_fails_naming_the_error(
+    pair: tuple[LocalLink, LocalLink],
+) -> None:
+    source, peer = pair
+    peer.close()
+    with pytest.raises(CollectiveError) as info:
+        source.send([b"x" * 100], what="frame", timeout=5)
+    assert str(info.value) == (
+        f"frame failed: BrokenPipeError: [Errno 32] Broken pipe on rank 0 sending to rank 1 {UNUSABLE}"
+    )
+    assert source.closed
+
+
+@needs_shared
+def test_a_prefix_split_after_its_descriptor_is_read_whole(
+    pair: tuple[LocalLink, LocalLink],
+) -> None:
+    # A read stops at the message that carries descriptors: the peer gets 10 bytes and the
+    # segment, then must read the prefix's other 30.
+    source, peer = pair
+    fd = source._reserve(1000)
+    assert fd is not None and source.shared is not None
+    source.shared[:1000] = np.arange(1000) % 251
+    prefix = link_module._PREFIX.pack(link_module._MAGIC, 0, 1000, link_module._NEW_SEGMENT,
+                                      source.shared_bytes)  # fmt: skip
+    socket.send_fds(source.peers[1], [prefix[:10]], [fd])
+    os.close(fd)
+    source.peers[1].sendall(prefix[10:])
+    got = peer.receive(what="frame", timeout=5)
+    assert got.tolist() == (np.arange(1000) % 251).tolist()
+    assert peer.shared_bytes == source.shared_bytes == 1 << 20
+
+
+@needs_shared
+def test_a_peer_keeps_no_descriptor_beyond_the_segments(
+    pair: tuple[LocalLink, LocalLink],
+) -> None:
+    source, peer = pair
+    fd = source._reserve(1000)
+    assert fd is not None
+    extra = os.open(os.devnull, os.O_RDONLY)
+    prefix = link_module._PREFIX.pack(link_module._MAGIC, 0, 1000, link_module._NEW_SEGMENT,
+                                      source.shared_bytes)  # fmt: skip
+    socket.send_fds(source.peers[1], [prefix], [fd, extra])
+    os.close(fd)
+    os.close(extra)
+    before = open_fds()
+    assert len(peer.receive(what="frame", timeout=5)) == 1000
+    # The mapping holds one descriptor (Python's mmap keeps a dup); the one received was closed
+    # once mapped, and the extra was never installed.
+    assert open_fds() == before + 1
+
+
+@needs_shared
+def test_an_out_of_step_frame_with_a_segment_is_refused_in_full_and_its_descriptor_closed(
+    pair: tuple[LocalLink, LocalLink],
+) -> None:
+    source, peer = pair
+    fd = source._reserve(1000)
+    assert fd is not None
+    prefix = link_module._PREFIX.pack(link_module._MAGIC, 5, 1000, link_module._NEW_SEGMENT,
+                                      source.shared_bytes)  # fmt: skip
+    socket.send_fds(source.peers[1], [prefix], [fd])
+    os.close(fd)
+    before = open_fds()
+    with pytest.raises(CollectiveError) as info:
+        peer.receive(what="frame", timeout=5)
+    assert str(info.value) == (
+        "frame on rank 1: the local link from rank 0 is out of step (frame 5, magic 0x4d504c4b; "
+        "expected frame 0); end the job"
+    )
+    assert open_fds() == before - 1 and peer.closed  # its socket closed, no descriptor kept
+
+
+@needs_shared
+def test_an_unsealed_segment_is_refused_in_full(pair: tuple[LocalLink, LocalLink]) -> None:
+    source, peer = pair
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 1 << 20)
+    prefix = link_module._PREFIX.pack(link_module._MAGIC, 0, 100, link_module._NEW_SEGMENT, 1 << 20)
+    socket.send_fds(source.peers[1], [prefix], [fd])
+    os.close(fd)
+    with pytest.raises(CollectiveError) as info:
+        peer.receive(what="frame", timeout=5)
+    assert str(info.value) == (
+        "frame on rank 1: the shared memory from rank 0 is not sealed at its size; refusing to "
+        "map it"
+    )
+    assert (peer.shared, peer.shared_bytes, peer.closed) == (None, 0, True)
