@@ -5,8 +5,8 @@
 1. The tests: each module's from `TESTS` (its own test files), else ``tests/unit/test_<name>.py``
    or ``test_<package>_<name>.py`` / ``test_<package>*.py``; ``--tests`` replaces them.
 2. A copy of ``megapack/``, ``tests/``, ``setup.py`` and ``pyproject.toml`` (the working tree's
-   files, committed or not) goes to ``.mutation/``, with the ``[tool.mutmut]`` table of
-   ``pyproject.toml`` narrowed to these modules and tests. mutmut works in ``.mutation/mutants/``;
+   files, committed or not) goes to ``.mutation/run/``, with the ``[tool.mutmut]`` table of
+   ``pyproject.toml`` narrowed to these modules and tests. mutmut works in its ``mutants/`` folder;
    the source tree is never written.
 3. ``mutmut run --max-children 1`` there (``--workers N`` for more; the default leaves a shared
    2-core machine usable). mutmut runs, for each mutant, only the selected tests that call the
@@ -15,7 +15,7 @@
    mutants), then each surviving mutant's diff (``mutmut show``). ``--min-score 95`` makes the
    exit code 1 when a module scores lower.
 
-A fresh run each time (``--keep`` reuses ``.mutation/``: mutmut then re-tests only mutants of
+A fresh run each time (``--keep`` reuses the work folder: mutmut then re-tests only mutants of
 functions that changed, so a new test does not re-judge an old survivor: don't keep to measure).
 """
 
@@ -34,7 +34,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = ROOT / ".mutation"
+WORK = ROOT / ".mutation" / "run"
 """Where mutmut works (``--work`` elsewhere, e.g. to keep two runs); ignored by git."""
 
 TESTS: dict[str, list[str]] = {
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests", nargs="+", help="test files (globs) instead of the modules' own")
     parser.add_argument("--workers", type=int, default=1, help="mutmut --max-children (default 1)")
     parser.add_argument("--keep", action="store_true", help="reuse the work folder (see above)")
-    parser.add_argument("--work", help="work folder (default .mutation/; keep it git-ignored)")
+    parser.add_argument("--work", help="work folder (default .mutation/run/; keep it git-ignored)")
     parser.add_argument("--no-diffs", action="store_true", help="survivors' names only")
     parser.add_argument("--min-score", type=float, help="exit 1 if a module scores lower (%%)")
     parser.add_argument("--json", help="write the per-module counts here")
