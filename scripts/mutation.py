@@ -37,6 +37,17 @@ ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".mutation" / "run"
 """Where mutmut works (``--work`` elsewhere, e.g. to keep two runs); ignored by git."""
 
+_ITEMS_TESTS = [
+    "tests/unit/test_items.py",
+    "tests/unit/test_rows.py",
+    "tests/unit/test_megatron_batches.py",
+    "tests/unit/test_fields.py",
+    "tests/unit/test_transfer.py",
+    "tests/unit/test_batch.py",
+    "tests/unit/test_wire.py",
+]
+"""What a Megatron dict or a PackedBatch becomes (`normalize`, `merge_rows`) is checked there."""
+
 TESTS: dict[str, list[str]] = {
     "megapack/packing/*.py": ["tests/unit/test_packing*.py"],
     "megapack/data/pack_writer.py": ["tests/unit/test_data_pack_writer.py"],
@@ -56,6 +67,43 @@ TESTS: dict[str, list[str]] = {
     "megapack/data/split.py": ["tests/unit/test_data_split.py"],
     "megapack/data/arrays.py": ["tests/unit/test_data_arrays.py"],
     "megapack/data/tables.py": ["tests/unit/test_data_parquet.py"],
+    # the batch contract and its delivery (core/, delivery/): fast single-process tests only;
+    # the distributed ones run in pool workers, where mutmut's per-test coverage does not look
+    "megapack/core/batch.py": [
+        "tests/unit/test_batch.py",
+        "tests/unit/test_fields.py",
+        "tests/unit/test_extras.py",
+        "tests/unit/test_megatron_batches.py",
+        "tests/unit/test_rows.py",
+    ],
+    "megapack/core/items.py": _ITEMS_TESTS,
+    "megapack/core/rows.py": _ITEMS_TESTS,
+    "megapack/core/fields.py": ["tests/unit/test_fields.py", "tests/unit/test_wire.py"],
+    "megapack/core/extras.py": [
+        "tests/unit/test_extras.py",
+        "tests/unit/test_fields.py",
+        "tests/unit/test_batch.py",
+    ],
+    "megapack/core/cp.py": ["tests/unit/test_cp.py", "tests/unit/test_cp_share.py"],
+    "megapack/core/seq_params.py": [
+        "tests/unit/test_seq_params.py",
+        "tests/unit/test_megatron_batches.py",
+        "tests/unit/test_wire.py",
+        "tests/unit/test_cp_share.py",
+        "tests/unit/test_batch.py",
+    ],
+    "megapack/delivery/wire.py": ["tests/unit/test_wire.py"],
+    "megapack/delivery/link.py": ["tests/unit/test_link_io.py"],
+    "megapack/delivery/link_setup.py": ["tests/unit/test_link_setup.py"],
+    "megapack/delivery/transport.py": [
+        "tests/unit/test_transport.py",
+        "tests/unit/test_transfer.py",
+    ],
+    "megapack/delivery/get_batch.py": [
+        "tests/unit/test_get_batch.py",
+        "tests/unit/test_transfer.py",
+        "tests/unit/test_megatron_batches.py",
+    ],
 }
 """Module (glob) -> its tests (globs), where the test file's name does not say it."""
 
