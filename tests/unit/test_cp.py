@@ -173,3 +173,13 @@ def test_with_total_the_boundaries_are_never_read_on_the_host() -> None:
     assert got.device.type == "meta" and got.shape == (8,) and got.dtype == torch.int64
     got = cp_indices(cu, 4, 3, layout="row", total=16)
     assert got.device.type == "meta" and got.shape == (4,)
+
+
+@pytest.mark.parametrize("layout", CP_LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int64])
+def test_positions_are_int64_whatever_the_boundaries_dtype(layout: str, dtype: torch.dtype) -> None:
+    cu = torch.tensor([0, 8, 24], dtype=dtype)
+    for rank in range(2):
+        index = cp_indices(cu, 2, rank, layout=layout)  # type: ignore[arg-type]
+        assert index.dtype == torch.int64
+        assert torch.equal(index, cp_indices(cu.to(torch.int64), 2, rank, layout=layout))  # type: ignore[arg-type]
