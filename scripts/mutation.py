@@ -104,6 +104,7 @@ TESTS: dict[str, list[str]] = {
         "tests/unit/test_transfer.py",
         "tests/unit/test_megatron_batches.py",
     ],
+    "megapack/delivery/prefetch.py": ["tests/unit/test_prefetch_thread.py"],
 }
 """Module (glob) -> its tests (globs), where the test file's name does not say it."""
 
