@@ -185,6 +185,8 @@ class Prefetcher:
         self._closing.set()
         self._slots.put(None)  # wake a thread waiting for room
         self._thread.join(timeout=self._timeout + 5.0)
+        if self._finished is None:  # closed: a batch the thread still finishes is not returned
+            self._finished = RuntimeError("this megapack prefetcher is closed; create a new one")
         if self._thread.is_alive():
             warnings.warn(
                 f"megapack prefetch thread on rank {dist.get_rank()} did not stop within "
@@ -195,8 +197,6 @@ class Prefetcher:
         if self._slot is not None:
             self._slot.in_use = False
             self._slot = None
-        if self._finished is None:
-            self._finished = RuntimeError("this megapack prefetcher is closed; create a new one")
 
     # ---- the background thread
 

@@ -558,6 +558,13 @@ def test_a_stuck_thread_is_warned_about_and_its_data_group_kept(
     finally:
         release.set()
     batches._thread.join(timeout=2)
+    # the stuck batch finished after close(): closed is closed, and its group stays out of use
+    with pytest.raises(
+        RuntimeError, match=r"^this megapack prefetcher is closed; create a new one$"
+    ):
+        next(batches)
+    batches.close()
+    assert grid.slots() == [(grid.data[0], True)]
     with prefetch(iter([9]), topology=grid.topo) as other:
         assert list(other) == [{"item": 9}]
     assert [g for g, _ in grid.slots()] == grid.data and len(grid.data) == 2
