@@ -186,8 +186,8 @@ def _schema(declared: tuple[BatchField, ...]) -> Schema:
     for f in declared:
         if f.name in BUILTIN_NAMES or f.name == "packed_seq_params":
             raise ValueError(
-                f"BatchField {f.name!r} collides with a built-in field of the same name "
-                f"({sorted(BUILTIN_NAMES)}): rename it"
+                f"BatchField {f.name!r} collides with a built-in output of the same name "
+                f"({sorted({*BUILTIN_NAMES, 'packed_seq_params'})}): rename it"
             )
         if f.name in seen:
             raise ValueError(f"fields= declares {f.name!r} twice")

@@ -73,8 +73,11 @@ def test_a_declaration_is_checked() -> None:
 
 
 def test_a_schema_refuses_collisions_and_built_in_kinds() -> None:
-    with pytest.raises(ValueError, match="'labels' collides with a built-in field"):
+    with pytest.raises(ValueError, match="'labels' collides with a built-in output") as info:
         schema_of((BatchField("labels", "token", torch.float32, "last"),))
+    assert "'labels'," in str(info.value).split("(", 1)[1]  # the list of names names it
+    with pytest.raises(ValueError, match="'packed_seq_params', 'position_ids'"):
+        schema_of((BatchField("packed_seq_params", "sample", torch.int64, "all"),))
     with pytest.raises(ValueError, match="declares 'advantages' twice"):
         schema_of((ADV, ADV))
     with pytest.raises(ValueError, match="per='boundary' is for megapack's built-in fields"):
