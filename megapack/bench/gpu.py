@@ -119,6 +119,7 @@ def run_gpu_throughput(
     device = topology.device
     rows: list[dict[str, Any]] = []
     per_slot: list[float] = []  # seconds per token slot of every measured step
+    measured: dict[tuple[str, str], tuple[int, int, float]] = {}  # (mix, mode): seq, slots, step s
     for seq_len in sizes.seq_lens:
         for mix in MIXES:
             rng = np.random.default_rng(seed)
@@ -126,10 +127,11 @@ def run_gpu_throughput(
             layouts = {mode: micro_batches(mode, docs, seq_len, sizes.rows) for mode in MODES}
             counts = {mode: slots(batches) for mode, batches in layouts.items()}
             flops = shape.training_flops(mixes[mix])
-            config_slots = sum(total for total, _ in counts.values())
             estimate = (
-                1.5 * max(per_slot, default=0.0) * config_slots * (sizes.warmup + sizes.steps)
-            )
+                1.5 * (sizes.warmup + sizes.steps)
+                * sum(step_estimate(measured.get((mix, mode)), seq_len, total, per_slot)
+                      for mode, (total, _) in counts.items())
+            )  # fmt: skip
             late = deadline is not None and time.perf_counter() + estimate > deadline
             for mode, batches in layouts.items():
                 total, real = counts[mode]
@@ -156,9 +158,23 @@ def run_gpu_throughput(
                         torch.cuda.empty_cache()
                     continue
                 per_slot.append(step_s / total)
+                measured[(mix, mode)] = (seq_len, total, step_s)
                 rows.append(row | {"status": "ok", "tokens_per_s": real / step_s, "step_s": step_s})
     optimizer.zero_grad(set_to_none=True)
     return rows
+
+
+def step_estimate(
+    earlier: tuple[int, int, float] | None, seq_len: int, slots: int, per_slot: list[float]
+) -> float:
+    """Seconds one step of a mode is expected to take, for the deadline: from the same mix and
+    mode at a shorter ``seq_len`` (``earlier``: its seq_len, slots, step seconds), scaled by the
+    slots and, for attention's quadratic part, by the sequence length (an upper bound); else from
+    the slowest seconds per slot measured so far (small steps are slow per slot: an upper bound)."""
+    if earlier is None:
+        return max(per_slot, default=0.0) * slots
+    seq_before, slots_before, step_s = earlier
+    return step_s * slots / slots_before * max(1.0, seq_len / seq_before)
 
 
 def _time_steps(

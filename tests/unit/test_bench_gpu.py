@@ -13,7 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from megapack.bench.gpu import PADDED, TARGETS, length_mixes, summarize, target_checks
+from megapack.bench.gpu import (
+    PADDED,
+    TARGETS,
+    length_mixes,
+    step_estimate,
+    summarize,
+    target_checks,
+)
 from megapack.bench.gpu_model import PRESET, TOY, GptShape
 from megapack.bench.gpu_report import (
     CHECK_KEYS,
@@ -195,3 +202,20 @@ def test_record_crash_keeps_what_was_measured(tmp_path: Path) -> None:
     assert data["device"] == "unknown" and data["checks"][0]["detail"].startswith(
         "the kit's Python process exited 1"
     )
+
+
+def test_a_step_is_estimated_from_the_same_mode_at_the_shorter_length() -> None:
+    # measured on an H100 (seq 4096): openchat padded to seq, 262,144 slots in 3.079 s; the
+    # slowest per slot was a small step (short SFT padded to its longest: 25,194 slots, 1.392 s)
+    per_slot = [1.303 / 106_496, 3.079 / 262_144, 1.392 / 25_194]
+    # seq 8192: twice the slots, attention up to twice per slot: at most 4x the step
+    assert step_estimate((4096, 262_144, 3.079), 8192, 524_288, per_slot) == pytest.approx(
+        4 * 3.079
+    )
+    # the same length again (or shorter): the slots alone
+    assert step_estimate((4096, 262_144, 3.079), 4096, 131_072, per_slot) == pytest.approx(
+        3.079 / 2
+    )
+    # nothing measured for this mode yet: the slowest seconds per slot so far, times the slots
+    assert step_estimate(None, 8192, 114_688, per_slot) == pytest.approx(114_688 * 1.392 / 25_194)
+    assert step_estimate(None, 4096, 1_000, []) == 0.0  # the first step: nothing to go by
