@@ -3,7 +3,8 @@
 On one GPU, in one process (a torch.distributed world of 1, megatron-core ``parallel_state`` at
 tp = pp = 1), in this order:
 
-1. attention: every backend fwd+bwd against a float64 reference (`gpu_checks.attention_checks`);
+1. attention: every backend fwd+bwd against a float64 reference (`gpu_checks.attention_checks`),
+   then each one's time on one row of 8 documents and flex against varlen (`gpu_checks.attention_timing`);
 2. packed == padded per-token losses in fp32 (`FULL`: the preset's shapes with 4 layers);
 3. the model: `gpu_model.PRESET` in bf16 through ``Float16Module``, its parameter count against the
    FLOPs formula's;
@@ -46,7 +47,12 @@ from megapack.bench.gpu import (
     summarize,
     target_checks,
 )
-from megapack.bench.gpu_checks import attention_checks, packed_vs_padded, sync_checks
+from megapack.bench.gpu_checks import (
+    attention_checks,
+    attention_timing,
+    packed_vs_padded,
+    sync_checks,
+)
 from megapack.bench.gpu_model import PRESET, TOY, GptShape, build_gpt, matmul_ceiling
 from megapack.bench.gpu_report import Check, Report, Status
 from megapack.bench.report import environment
@@ -68,6 +74,10 @@ class KitSizes:
     """heads, groups, head_dim, max_len of the attention checks."""
     loss_lengths: tuple[int, ...]
     """Document lengths of the packed == padded checks (one row of ``throughput.seq_lens[0]``)."""
+    timing_lengths: tuple[int, ...]
+    """Document lengths of the one row the attention backends are timed on."""
+    timing_repeats: int
+    """Timed fwd+bwd calls per backend (the median counts), after 3 untimed ones."""
     throughput: ThroughputSizes
     """The throughput section's sizes."""
     matmul_n: int
@@ -82,6 +92,8 @@ FULL = KitSizes(
     fp32_shape=dataclasses.replace(PRESET, num_layers=4),
     attention={"heads": 16, "groups": 4, "head_dim": 128, "max_len": 4096},
     loss_lengths=(1, 7, 1500, 33, 1024, 2, 511, 900),
+    timing_lengths=(2048, 2048, 1893, 2048, 1207, 2048, 1058, 2048),  # 14,398 tokens, 8 documents
+    timing_repeats=20,
     throughput=ThroughputSizes(seq_lens=(4096, 8192), documents=64, rows=2, warmup=1, steps=3, length_scale=1.0),
     matmul_n=8192,
     budget_s=330.0,
@@ -94,6 +106,8 @@ DRY = KitSizes(
     fp32_shape=TOY,
     attention={"heads": 4, "groups": 2, "head_dim": 16, "max_len": 64},
     loss_lengths=(1, 7, 40, 3, 30, 2, 20),
+    timing_lengths=(64, 64, 59, 64, 38, 64, 33, 64),
+    timing_repeats=2,
     throughput=ThroughputSizes(seq_lens=(128, 256), documents=16, rows=2, warmup=1, steps=1, length_scale=1 / 16),
     matmul_n=512,
     budget_s=600.0,
@@ -127,6 +141,9 @@ def run_kit(out: Path, *, dry_run: bool, sizes: KitSizes | None = None, seed: in
     a = sizes.attention
     step("attention", lambda: attention_checks(device, sizes.dtype, heads=a["heads"], groups=a["groups"],
                                                head_dim=a["head_dim"], max_len=a["max_len"]))  # fmt: skip
+    step("attention time", lambda: attention_timing(device, sizes.dtype, lengths=sizes.timing_lengths,
+                                                    heads=a["heads"], groups=a["groups"], head_dim=a["head_dim"],
+                                                    repeats=sizes.timing_repeats))  # fmt: skip
     seq = sizes.throughput.seq_lens[0]
     step("packed == padded (float32)", lambda: [_fp32_losses(sizes, device, seq, seed)])
     step("model", lambda: [_build_main(sizes, device, state)])

@@ -22,8 +22,10 @@ from megapack import PackedBatch
 from megapack.attention import packed_attention
 from megapack.bench.gpu_checks import (
     attention_cases,
+    attention_timing,
     boundaries,
     check_backend,
+    flex_target,
     packed_vs_padded,
     reference_attention,
     sync_checks,
@@ -231,3 +233,32 @@ def test_sync_checks_are_skipped_without_cuda_but_their_steps_run() -> None:
     assert crashed[2].detail.startswith("warm-up failed: TypeError")
     with pytest.raises(ValueError, match="at least 8 micro-batches"):
         sync_checks(TinyLM("nowhere"), batches(7), device=CPU)
+
+
+def test_flex_target_compares_flex_with_varlen_and_skips_without_them() -> None:
+    row = "one row"
+    ok = flex_target({"torch_varlen": 2.0e-3, "flex": 3.0e-3, "sdpa": 9.0e-3}, row, where="cuda")
+    assert (ok.status, ok.detail) == ("passed", "1.50x")
+    assert ok.name == "target: flex fwd+bwd <= 1.5x torch_varlen (one row)"
+    slow = flex_target({"torch_varlen": 2.0e-3, "flex": 3.1e-3}, row, where="cuda")
+    assert (slow.status, slow.detail) == ("failed", "1.55x")
+    none = flex_target({"sdpa": 1e-3}, row, where="cpu float32")
+    assert (none.status, none.detail) == (
+        "skipped",
+        "flex and torch_varlen cannot train on cpu float32 here",
+    )
+    one = flex_target({"flex": 1e-3}, row, where="cpu float32")
+    assert one.detail == "torch_varlen cannot train on cpu float32 here"
+
+
+def test_attention_timing_times_every_backend_that_trains_here() -> None:
+    checks = attention_timing(torch.device("cpu"), torch.float32, lengths=(5, 1, 9), heads=4,
+                              groups=2, head_dim=8, repeats=2, warmup=1)  # fmt: skip
+    timed, target = checks
+    assert timed.status == "passed"
+    assert timed.name == (
+        "attention time: fwd+bwd, one row of 3 documents (15 tokens), 4 heads / 2 groups x 8, float32"
+    )
+    assert timed.detail.startswith("median of 2 after 1 untimed: sdpa ")
+    assert timed.detail.endswith(" ms")
+    assert target.status == "skipped"
