@@ -24,6 +24,8 @@ if TYPE_CHECKING:
         RemoteRankError,
     )
     from megapack.core.fields import BUILTIN_FIELDS, BatchField, Stage
+    from megapack.core.loss_fields import LOSS_FIELDS, LOSS_MODES
+    from megapack.data.loss_steps import with_loss_fields
     from megapack.delivery.get_batch import get_batch_on_this_tp_rank
     from megapack.delivery.prefetch import Prefetcher, prefetch
     from megapack.distributed.comm import long_operation
@@ -36,6 +38,8 @@ _EXPORTS = {
     "BatchField": "megapack.core.fields",
     "CollectiveError": "megapack.core.errors",
     "DesyncError": "megapack.core.errors",
+    "LOSS_FIELDS": "megapack.core.loss_fields",
+    "LOSS_MODES": "megapack.core.loss_fields",
     "PackedBatch": "megapack.core.batch",
     "Prefetcher": "megapack.delivery.prefetch",
     "ProtocolError": "megapack.core.errors",
@@ -49,11 +53,14 @@ _EXPORTS = {
     "lockstep": "megapack.distributed.sync",
     "long_operation": "megapack.distributed.comm",
     "prefetch": "megapack.delivery.prefetch",
+    "with_loss_fields": "megapack.data.loss_steps",
 }
 """Public name -> the module defining it, imported on first access."""
 
 __all__ = [
     "BUILTIN_FIELDS",
+    "LOSS_FIELDS",
+    "LOSS_MODES",
     "BatchField",
     "CollectiveError",
     "DesyncError",
@@ -70,6 +77,7 @@ __all__ = [
     "lockstep",
     "long_operation",
     "prefetch",
+    "with_loss_fields",
 ]
 __version__ = "0.1.0"
 

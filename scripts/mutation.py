@@ -49,6 +49,9 @@ _ITEMS_TESTS = [
 """What a Megatron dict or a PackedBatch becomes (`normalize`, `merge_rows`) is checked there."""
 
 TESTS: dict[str, list[str]] = {
+    "megapack/core/loss_fields.py": ["tests/unit/test_loss_fields.py"],
+    "megapack/megatron/loss.py": ["tests/unit/test_loss_fields.py"],
+    "megapack/data/loss_steps.py": ["tests/unit/test_loss_fields.py"],
     "megapack/packing/*.py": ["tests/unit/test_packing*.py"],
     "megapack/data/pack_writer.py": ["tests/unit/test_data_pack_writer.py"],
     "megapack/data/convert.py": [

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megapack.core.cp import CpLayout, cp_indices
+from megapack.core.cp import CpLayout, cp_indices, position_documents
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,5 +155,4 @@ def row_positions(
     """
     cu = cu_buffer.to(torch.int64)
     positions = cp_indices(cu, cp_size, cp_rank, layout=layout, total=cp_size * local_total)
-    doc = torch.searchsorted(cu[1:], positions, right=True).clamp(max=len(cu) - 2)
-    return positions, doc
+    return positions, position_documents(cu, positions)

@@ -248,7 +248,8 @@ class PackedBatch:
             segment_lens = np.diff(padded_cu)
             cu, cu_padded = real_cu, padded_cu
         else:
-            cu = real_cu if width == total else np.concatenate([real_cu, [width]])
+            trailing = has_padding_segment(total, width, pad_to_multiple_of)
+            cu = np.concatenate([real_cu, [width]]) if trailing else real_cu
             cu_padded = None
             segment_lens = np.diff(cu)
             position_ids[total:] = np.arange(width - total)
@@ -311,6 +312,12 @@ class PackedBatch:
             max_seqlen=max(r.max_seqlen for r in rows),
             extras={n: join_rows(f, [r.extras[n] for r in rows]) for n, f in declared.items()},
         ).validate()
+
+
+def has_padding_segment(used: int, seq_len: int, pad_to_multiple_of: int) -> bool:
+    """Whether `PackedBatch.from_documents` gives a row's trailing padding a segment of its own:
+    without per-document padding, when the documents' ``used`` tokens leave the row short."""
+    return pad_to_multiple_of == 1 and used < seq_len
 
 
 def _check_dtype(name: str, value: torch.Tensor, want: torch.dtype) -> None:

@@ -80,11 +80,22 @@ def cp_indices(
     cu = _as_cu_tensor(cu_buffer)
     if cu.device.type == "cpu":
         check_cp_spans(cu, cp_size, layout=layout)
+    return zigzag_positions(
+        cu, cp_size, cp_rank, layout=layout, total=int(cu[-1]) if total is None else total
+    )
+
+
+def zigzag_positions(
+    cu_buffer: torch.Tensor, cp_size: int, cp_rank: int, *, layout: CpLayout, total: int
+) -> torch.Tensor:
+    """`cp_indices` without its checks: the positions, computed on ``cu_buffer``'s device with no
+    read of its values on the host (the caller knows ``total`` and that the spans divide)."""
+    cu = cu_buffer
     if layout == "row":
         cu = cu[[0, -1]]
     cu = cu.to(torch.int64)
     chunk = (cu[1:] - cu[:-1]) // (2 * cp_size)  # [n] chunk length of every span
-    total_local = (int(cu[-1]) if total is None else total) // cp_size
+    total_local = total // cp_size
     span = torch.repeat_interleave(2 * chunk, output_size=total_local)  # [T / cp] span of each
     local_start = torch.cumsum(2 * chunk, 0) - 2 * chunk  # where each span starts locally
     j = (
@@ -94,6 +105,34 @@ def cp_indices(
     early = cp_rank * c + j  # chunk r
     late = (2 * cp_size - 2 - cp_rank) * c + j  # chunk 2cp-1-r, shifted by the c of chunk r
     return cu[span] + torch.where(j < c, early, late)
+
+
+def local_documents(
+    cu_buffer: torch.Tensor, cp_size: int, cp_rank: int, *, layout: CpLayout, local_total: int
+) -> torch.Tensor:
+    """[Tl] int64 index of the buffer segment each of this CP rank's ``local_total`` tokens is in.
+
+    On ``cu_buffer``'s device, with no read of a value on the host and no check (the batch was
+    checked where its share was taken): cp = 1 gives the segment of every row position. A
+    document split over CP ranks has the same index on every rank.
+
+    Example:
+        >>> local_documents(torch.tensor([0, 4, 8]), 2, 1, layout="document", local_total=4).tolist()
+        [0, 0, 1, 1]
+    """
+    cu = cu_buffer.to(torch.int64)
+    if cp_size == 1:
+        positions = torch.arange(local_total, device=cu.device)
+    else:
+        positions = zigzag_positions(cu, cp_size, cp_rank, layout=layout,
+                                     total=cp_size * local_total)  # fmt: skip
+    return position_documents(cu, positions)
+
+
+def position_documents(cu_buffer: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The buffer segment of every row position in ``positions`` (int64, on device, no host read)."""
+    cu = cu_buffer.to(torch.int64)
+    return torch.searchsorted(cu[1:], positions, right=True).clamp(max=len(cu) - 2)
 
 
 def check_cp_spans(

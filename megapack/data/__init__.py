@@ -8,6 +8,8 @@
     split_document(doc, max_len)  cut long documents at message boundaries for a packer
     PackedDataset                 documents packed into equal per-rank shards of PackedBatch micro-batches
     PackWriter                    the same directory PackedDataset.save writes, streamed and resumable
+    with_loss_fields, step_batches  each micro-batch's optimizer-step loss fields, for an iterator
+                                  (one all-gather per step) or a StreamingPacker global batch
     ByteTokenizer, HFTokenizer    the Tokenizer protocol's two implementations
     ChatTemplate                  built-in chat rendering (the fallback, e.g. for ByteTokenizer)
     HFChatTemplate                a model's own Jinja chat template, as apply_chat_template renders it
@@ -43,14 +45,19 @@ from megapack.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:
     from megapack.data.dataset import PackedDataset
+    from megapack.data.loss_steps import step_batches, with_loss_fields
 
 
 def __getattr__(name: str) -> Any:
-    """`PackedDataset` on first use (it imports torch; nothing else here does)."""
+    """`PackedDataset` and the loss-step helpers on first use (they import torch; nothing else here does)."""
     if name == "PackedDataset":
         from megapack.data.dataset import PackedDataset
 
         return PackedDataset
+    if name in ("step_batches", "with_loss_fields"):
+        from megapack.data import loss_steps
+
+        return getattr(loss_steps, name)
     raise AttributeError(f"module 'megapack.data' has no attribute {name!r}")
 
 
@@ -81,4 +88,6 @@ __all__ = [
     "read_numpy",
     "read_table",
     "split_document",
+    "step_batches",
+    "with_loss_fields",
 ]

@@ -15,8 +15,16 @@ micro_batches`` micro-batches) of similar-cost layers and dealt so that each ran
 about the same under ``cost``, each rank's micro-batches in pipeline-friendly order
 (`megapack.packing.balance`); every rank computes the same order, without communication.
 
+With ``loss_fields=True`` every micro-batch also carries the loss fields of its optimizer step
+(`megapack.core.loss_fields`: each document segment's trained tokens in the step, and the step's
+trained tokens, documents and micro-batches), computed from the plan on every rank alike, with no
+collective: every rank knows every rank's rows. Pieces of a document that ``long_docs="split"``
+cut count as one document where they meet in a step (``split_documents="whole"``) or each as its
+own (``"pieces"``). Declare ``fields=megapack.LOSS_FIELDS`` where the batches are delivered.
+
 Storage is flat numpy arrays (tokens, loss mask, document offsets, bins as (doc, start, stop)
-slices), the same in memory and on disk: `save` writes them, `load` memory-maps them back.
+slices, and each stored document's input document, ``origins``, shared by a split document's
+pieces), the same in memory and on disk: `save` writes them, `load` memory-maps them back.
 """
 
 from __future__ import annotations
@@ -29,8 +37,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch.distributed as dist
 
-from megapack.core.batch import PackedBatch
+from megapack.core.batch import PackedBatch, has_padding_segment
 from megapack.core.checks import check_int
+from megapack.core.loss_fields import (
+    attach_loss_fields,
+    check_reading,
+    step_loss_fields,
+    warn_if_untrained,
+)
 from megapack.data.document import Document
 from megapack.data.layout import FORMAT_VERSION, check_layout, plan_layout
 from megapack.data.split import split_document
@@ -62,6 +76,11 @@ class PackedDataset:
         micro_batches: micro-batches per rank per optimizer step (Megatron's global batch size /
             (micro-batch size x dp_size)); the epoch is padded to whole steps.
         cost: a `megapack.packing.CostModel`, required by ``balance="compute"``.
+        loss_fields: attach each step's loss fields (`megapack.core.loss_fields.LOSS_FIELDS`)
+            to every micro-batch, for `megapack.megatron.normalized_loss`'s step modes;
+            ``micro_batches`` and ``dp_size`` must then be the trainer's.
+        split_documents: with ``loss_fields``, "whole" (the pieces of a split document in one
+            step are one document) or "pieces" (each piece a document).
 
     Example:
         >>> ds = PackedDataset(docs, seq_len=4096, rows_per_micro_batch=2, dp_rank=r, dp_size=8)  # doctest: +SKIP
@@ -85,15 +104,20 @@ class PackedDataset:
         balance: str = "token",
         micro_batches: int = 1,
         cost: CostModel | None = None,
+        loss_fields: bool = False,
+        split_documents: str = "whole",
     ) -> None:
         multiple = check_layout(seq_len, pad_to_multiple_of, cp_size, long_docs)
         docs = list(documents)
         if not docs:
             raise ValueError(_empty_message(documents))
         counts = {"input_documents": len(docs), "split_documents": 0}
+        origins = np.arange(len(docs), dtype=np.int64)
         if long_docs == "split":
             counts["split_documents"] = sum(len(doc) > seq_len for doc in docs)
-            docs = [piece for doc in docs for piece in split_document(doc, seq_len)]
+            pieces = [split_document(doc, seq_len) for doc in docs]
+            origins = np.repeat(origins, [len(p) for p in pieces])
+            docs = [piece for doc_pieces in pieces for piece in doc_pieces]
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
         layout, self.meta = plan_layout(
             lengths, seq_len, multiple=multiple, cp_size=cp_size, algorithm=algorithm,
@@ -104,10 +128,12 @@ class PackedDataset:
             "tokens": np.concatenate([d.tokens for d in docs]),
             "loss_mask": np.concatenate([d.loss_mask for d in docs]),
             **layout,
+            "origins": origins,
         }
         self._configure(
-            rows_per_micro_batch, dp_rank, dp_size, pad_token_id, balance, micro_batches, cost
-        )
+            rows_per_micro_batch, dp_rank, dp_size, pad_token_id, balance, micro_batches, cost,
+            loss_fields, split_documents,
+        )  # fmt: skip
 
     def _configure(
         self,
@@ -118,6 +144,8 @@ class PackedDataset:
         balance: str = "token",
         micro_batches: int = 1,
         cost: CostModel | None = None,
+        loss_fields: bool = False,
+        split_documents: str = "whole",
     ) -> None:
         from megapack.packing.balance import check_balance
 
@@ -138,6 +166,18 @@ class PackedDataset:
             dp_size,
         )
         self.pad_token_id = pad_token_id
+        if not isinstance(loss_fields, bool):
+            raise TypeError(f"loss_fields must be True or False, got {loss_fields!r}")
+        self.loss_fields, self.split_documents = loss_fields, check_reading(split_documents)
+        whole = loss_fields and split_documents == "whole"
+        if whole and "origins" not in self._arrays and int(self.meta.get("split_documents", 0)):
+            raise ValueError(
+                f"split_documents='whole' needs to know which rows' pieces come from one "
+                f"document, but this directory ({self.meta.get('split_documents')} documents "
+                "split) has no origins.npy: it was packed by an earlier megapack. Re-run "
+                "`megapack pack`, or pass split_documents='pieces'"
+            )
+        self._step_fields: tuple[tuple[int, int], list[np.ndarray], np.ndarray] | None = None
         self.epoch = 0
         self._order: np.ndarray | None = None  # row order of self.epoch, computed on first use
         rows = int(self.meta["rows"])
@@ -170,10 +210,67 @@ class PackedDataset:
             * self.rows_per_micro_batch
         ]
         if (rows < 0).all():
-            return self._padding_micro_batch()
-        return PackedBatch.concat(
-            [self._row(int(r)) if r >= 0 else self._filler_row() for r in rows]
+            batch = self._padding_micro_batch()
+        else:
+            batch = PackedBatch.concat(
+                [self._row(int(r)) if r >= 0 else self._filler_row() for r in rows]
+            )
+        if not self.loss_fields:
+            return batch
+        step = index // self.micro_batches
+        documents, totals = self.step_loss_fields(step)
+        return attach_loss_fields(
+            batch, documents[global_index - step * self.dp_size * self.micro_batches], totals
         )
+
+    def step_loss_fields(self, step: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """The loss fields of optimizer step ``step`` of this epoch, from the plan alone.
+
+        Returns:
+            (``loss_documents`` of each of the step's ``dp_size * micro_batches`` micro-batches, in
+            global order, [segments, 2]; ``loss_step`` [3]); see `megapack.core.loss_fields`.
+            Cached for the last step asked (a rank asks for one step ``micro_batches`` times).
+        """
+        key = (self.epoch, step)
+        if self._step_fields is not None and self._step_fields[0] == key:
+            return self._step_fields[1], self._step_fields[2]
+        size = self.dp_size * self.micro_batches
+        rows_per = self.rows_per_micro_batch
+        order = self.order()
+        whole = self.split_documents == "whole"
+        trained: list[np.ndarray] = []
+        keys: list[np.ndarray | None] = []
+        spare = len(self._arrays["doc_offsets"])  # keys past every document's: padding segments
+        for j in range(step * size, (step + 1) * size):
+            counts, ids = [], []
+            for row in order[j * rows_per : (j + 1) * rows_per]:
+                row_counts, row_ids = self._row_segments(int(row))
+                counts += row_counts
+                ids += [spare + i if d < 0 else d for i, d in enumerate(row_ids)]
+                spare += len(row_ids)
+            trained.append(np.array(counts, dtype=np.int64))
+            keys.append(np.array(ids, dtype=np.int64) if whole else None)
+        documents, totals = step_loss_fields(trained, keys)
+        warn_if_untrained(totals, f"step {step} of epoch {self.epoch}")
+        self._step_fields = (key, documents, totals)
+        return documents, totals
+
+    def _row_segments(self, row: int) -> tuple[list[int], list[int]]:
+        """(trained tokens, input document or -1) of each segment `_row` gives row ``row``."""
+        if row < 0:
+            return [0], [-1]  # a filler row: one all-padding document
+        a = self._arrays
+        origins = a.get("origins")
+        counts, ids, used = [], [], 0
+        for doc, start, stop in a["slices"][a["bin_offsets"][row] : a["bin_offsets"][row + 1]]:
+            base = int(a["doc_offsets"][doc])
+            counts.append(int(np.count_nonzero(a["loss_mask"][base + start + 1 : base + stop])))
+            ids.append(int(doc) if origins is None else int(origins[doc]))
+            used += int(stop - start)
+        if has_padding_segment(used, self.seq_len, int(self.meta["pad_to_multiple_of"])):
+            counts.append(0)
+            ids.append(-1)
+        return counts, ids
 
     def order(self) -> np.ndarray:
         """This epoch's rows in dealing order, ``-1`` for zero-loss filler rows (same on every rank).
@@ -264,6 +361,8 @@ class PackedDataset:
         balance: str = "token",
         micro_batches: int = 1,
         cost: CostModel | None = None,
+        loss_fields: bool = False,
+        split_documents: str = "whole",
     ) -> PackedDataset:
         """Memory-map a dataset written by `save` or ``megapack pack`` (padding with its recorded pad id by default)."""
         path = Path(directory)
@@ -281,10 +380,13 @@ class PackedDataset:
         dataset = cls.__new__(cls)
         dataset.meta = meta
         dataset._arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r") for name in names}
+        if (path / "origins.npy").is_file():  # written since split documents are tracked
+            dataset._arrays["origins"] = np.load(path / "origins.npy", mmap_mode="r")
         pad = int(meta.get("pad_token_id", 0)) if pad_token_id is None else pad_token_id
         dataset._configure(
-            rows_per_micro_batch, dp_rank, dp_size, pad, balance, micro_batches, cost
-        )
+            rows_per_micro_batch, dp_rank, dp_size, pad, balance, micro_batches, cost,
+            loss_fields, split_documents,
+        )  # fmt: skip
         return dataset
 
 

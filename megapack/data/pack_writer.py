@@ -110,6 +110,7 @@ class PackWriter:
         self.documents = 0
         self.tokens = 0
         self._lengths = array("q")  # int64, 8 bytes a document
+        self._origins: array[int] | None = array("q")  # each document's input document
         self._start(resume)
 
     def _start(self, resume: bool) -> None:
@@ -145,6 +146,12 @@ class PackWriter:
             self.split_documents = int(state.get("split_documents", 0))
             lengths = np.fromfile(self.out / "lengths.partial", dtype=np.int64)
             self._lengths.frombytes(lengths[: self.documents].tobytes())
+            if (self.out / "origins.partial").is_file():
+                origins = np.fromfile(self.out / "origins.partial", dtype=np.int64)
+                assert self._origins is not None
+                self._origins.frombytes(origins[: self.documents].tobytes())
+            else:  # started by a megapack that did not record them: none are written
+                self._origins = None
         elif (self.out / "meta.json").is_file() and not resume:
             raise ValueError(
                 f"{self.out} already holds a finished pack (meta.json): choose another --out or "
@@ -194,7 +201,7 @@ class PackWriter:
                     count = 1
                     self.split_documents += split and len(item) > seq_len
                     for piece in split_document(item, seq_len) if split else (item,):
-                        self._append(piece)
+                        self._append(piece, self.input_documents)
                 seen, since = seen + count, since + count
                 self.input_documents += count
                 if on_progress is not None:
@@ -216,8 +223,11 @@ class PackWriter:
                 doc = batch.document(d)
                 self.split_documents += len(doc) > split_above
                 for piece in split_document(doc, split_above):
-                    self._append(piece)
+                    self._append(piece, self.input_documents + d)
             return len(batch)
+        if self._origins is not None:
+            first = self.input_documents
+            self._origins.frombytes(np.arange(first, first + len(batch), dtype=np.int64).tobytes())
         self._buffers["tokens"].append(batch.tokens)
         self._buffers["loss_mask"].append(batch.loss_mask)
         self._lengths.frombytes(lengths.astype(np.int64, copy=False).tobytes())
@@ -228,7 +238,9 @@ class PackWriter:
             self._flush()
         return len(batch)
 
-    def _append(self, doc: Document) -> None:
+    def _append(self, doc: Document, origin: int) -> None:
+        if self._origins is not None:
+            self._origins.append(origin)
         self._buffers["tokens"].append(doc.tokens)
         self._buffers["loss_mask"].append(doc.loss_mask)
         self._lengths.append(len(doc))
@@ -253,6 +265,8 @@ class PackWriter:
             handle.flush()
             os.fsync(handle.fileno())
         np.frombuffer(self._lengths, dtype=np.int64).tofile(self.out / "lengths.partial")
+        if self._origins is not None:
+            np.frombuffer(self._origins, dtype=np.int64).tofile(self.out / "origins.partial")
         state = {
             "version": PROGRESS_VERSION, "settings": self.settings, "config": self.config,
             "rows": rows, "documents": self.documents, "tokens": self.tokens,
@@ -275,10 +289,12 @@ class PackWriter:
             seed=s["seed"], pad_token_id=s["pad_token_id"],
         )  # fmt: skip
         meta.update(input_documents=self.input_documents, split_documents=self.split_documents)
+        if self._origins is not None:
+            arrays["origins"] = np.frombuffer(self._origins, dtype=np.int64)
         for name, values in arrays.items():
             np.save(self.out / f"{name}.npy", values)
         (self.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        for leftover in ("progress.json", "lengths.partial"):
+        for leftover in ("progress.json", "lengths.partial", "origins.partial"):
             (self.out / leftover).unlink(missing_ok=True)
         return meta
 

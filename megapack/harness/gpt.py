@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,21 +104,32 @@ class TinyGPT:
         )
 
 
+def global_parameters(
+    model: torch.nn.Module,
+) -> Iterator[tuple[str, torch.nn.Parameter, int | None]]:
+    """(name in the tp=1 x pp=1 model, parameter, TP-split dim or None) of this rank's parameters.
+
+    A DDP-wrapped model (``module.`` prefix) gives the same names as the module it wraps.
+    """
+    inner = getattr(model, "module", model)
+    layers = getattr(getattr(inner, "decoder", None), "layers", [])
+    global_index = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
+    for name, param in inner.named_parameters():
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = global_index[parts[2]]
+        split = bool(getattr(param, "tensor_model_parallel", False))
+        yield ".".join(parts), param, int(getattr(param, "partition_dim", 0)) if split else None
+
+
 def init_weights(model: torch.nn.Module, seed: int) -> None:
     """Load this rank's slice of topology-independent full weights into ``model`` (in place)."""
     from megatron.core import parallel_state as ps
 
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    layers = getattr(getattr(model, "decoder", None), "layers", [])
-    global_index = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(layers)}
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            parts = name.split(".")
-            if parts[:2] == ["decoder", "layers"]:
-                parts[2] = global_index[parts[2]]
-            full_name = ".".join(parts)
-            split = bool(getattr(param, "tensor_model_parallel", False))
-            dim = int(getattr(param, "partition_dim", 0))
+        for full_name, param, split_dim in global_parameters(model):
+            split, dim = split_dim is not None, split_dim or 0
             shape = list(param.shape)
             if split:
                 shape[dim] *= tp

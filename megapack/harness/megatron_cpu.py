@@ -9,7 +9,7 @@ and tp=1 without pipelining, with and without ``attention_mask``, logging each r
 nothing else.
 
 How: global ``torch`` is left alone (the real ``torch.cuda.current_device()`` still raises). Instead
-five megatron modules get their module attribute ``torch`` replaced by a *view* of torch that
+six megatron modules get their module attribute ``torch`` replaced by a *view* of torch that
 resolves every attribute to the real torch except the five below, and three megatron functions
 are replaced by CPU equivalents. Megatron code outside those modules, and all other code in the
 process, sees the real torch.
@@ -44,6 +44,10 @@ The patches, one by one (module: attribute, why):
      version. With context parallelism and unpacked [s, b] batches, ``RotaryEmbedding`` keeps this
      CP rank's zigzag chunks of the table; the original builds their index in pinned memory
      and moves it to CUDA.
+ 10. ``distributed.param_and_grad_buffer``: ``torch`` -> view. megatron-core's
+     ``DistributedDataParallel`` allocates its gradient buffers (``main_grad``) on
+     ``torch.cuda.current_device()``; with the view it runs on CPU, and ``finalize_model_grads``
+     (its all-reduce over DP x CP, the per-token loss's division) as it does on a GPU.
 
 RNG note: on CPU, megatron's "CUDA" RNG tracker and the CPU default generator become one
 generator. ``model_parallel_cuda_manual_seed(s)`` therefore seeds the CPU generator with ``s``
@@ -152,6 +156,7 @@ def _patch_table() -> list[tuple[str, str, Any]]:
             "get_pos_emb_on_this_cp_rank",
             _pos_emb_on_this_cp_rank,
         ),
+        ("distributed.param_and_grad_buffer", "torch", view),
     ]
 
 

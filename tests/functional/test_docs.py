@@ -281,7 +281,32 @@ def rl_fields(ns: dict[str, Any], run: Callable[[], None]) -> None:
     assert loss.item() == pytest.approx(-batch["advantages"][trained].mean().item())
 
 
+def loss_modes(ns: dict[str, Any], run: Callable[[], None]) -> None:
+    from megapack.data import read_documents
+
+    config = SimpleNamespace(calculate_per_token_loss=False)
+    ns.update(docs=list(read_documents("sft.jsonl")), dp_rank=0, dp_size=1, num_microbatches=2,
+              config=config)  # fmt: skip
+    run()
+
+    class PerTokenModel(FakeModel):  # GPTModel with labels=: one loss per position
+        def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            super().__call__(*args, **kwargs)
+            return torch.ones(tuple(kwargs["labels"].shape))
+
+    model = PerTokenModel()
+    output, loss_func = ns["forward_step"](iter(ns["train"]), model)
+    loss, report = loss_func(output)  # every per-token loss 1: the step's sequence mean is 1
+    total, documents = report["lm loss"].tolist()
+    assert total == pytest.approx(documents) and documents > 0  # each document's mean is 1
+    assert loss.item() > 0 and model.calls[0][1]["packed_seq_params"].qkv_format == "thd"
+    config.calculate_per_token_loss = True
+    output, loss_func = ns["forward_step"](iter(ns["train"]), model)
+    assert len(loss_func(output)) == 3  # (sum, count, report) for the per-token path
+
+
 HARNESSES: dict[str, Callable[[dict[str, Any], Callable[[], None]], None]] = {
+    "loss_fields=True)": loss_modes,
     "RL_FIELDS = (": rl_fields,
     "# Every rank of the TP group calls this once per micro-step": pretrain_get_batch,
     "batches = megapack.prefetch(": prefetch_loop,

@@ -20,7 +20,7 @@ from megapack.data import Document, PackedDataset, read_jsonl
 from megapack.data.convert import DocumentBatch
 from megapack.data.pack_writer import PackWriter
 
-NAMES = ("tokens", "loss_mask", "doc_offsets", "slices", "bin_offsets")
+NAMES = ("tokens", "loss_mask", "doc_offsets", "slices", "bin_offsets", "origins")
 
 
 def corpus(path: Path, n: int = 60) -> Path:

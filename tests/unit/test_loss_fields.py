@@ -1,0 +1,475 @@
+"""The loss fields and the loss modes in one process (issue 31): what a batch carries, each token's
+document on every CP share, and every mode's value on both of megatron-core's loss paths."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from megapack import LOSS_FIELDS, PackedBatch
+from megapack.core.cp import CP_LAYOUTS, cp_indices, take_share
+from megapack.core.fields import schema_of
+from megapack.core.items import normalize
+from megapack.core.loss_fields import (
+    LOSS_MODES,
+    attach_loss_fields,
+    check_mode,
+    check_reading,
+    item_segments,
+    segment_trained,
+    step_loss_fields,
+    token_documents,
+)
+from megapack.data import Document, PackedDataset, PackWriter, step_batches, with_loss_fields
+from megapack.megatron import normalized_loss, policy_loss
+from megapack.packing import Piece
+from megapack.testing.gpt import packed_micro_batch, padded_micro_batch
+from megapack.testing.host_reads import host_reads
+
+# ------------------------------------------------------------------ step_loss_fields
+
+
+def test_loss_step_fields_worked_example_whole_and_pieces() -> None:
+    trained = [np.array([3, 2]), np.array([4, 0])]  # A, C's first piece | C's second piece, B
+    docs, step = step_loss_fields(trained, [np.array([0, 2]), np.array([2, 1])])
+    assert [d.tolist() for d in docs] == [[[3, 1], [6, 1]], [[6, 0], [0, 0]]]
+    assert step.tolist() == [9, 2, 2]
+    assert step.dtype == np.int64 and all(d.dtype == np.int64 for d in docs)
+    docs, step = step_loss_fields(trained)
+    assert [d.tolist() for d in docs] == [[[3, 1], [2, 1]], [[4, 1], [0, 0]]]
+    assert step.tolist() == [9, 3, 2]
+
+
+def test_loss_step_fields_count_a_document_at_its_first_trained_piece() -> None:
+    # the first piece trains nothing: the second one counts the document
+    docs, step = step_loss_fields([np.array([0]), np.array([5])], [np.array([7]), np.array([7])])
+    assert [d.tolist() for d in docs] == [[[5, 0]], [[5, 1]]]
+    assert step.tolist() == [5, 1, 2]
+    # a micro-batch of keys beside one without: the keyless segments are documents of their own
+    docs, step = step_loss_fields([np.array([1, 1]), np.array([1])], [np.array([0, 0]), None])
+    assert [d.tolist() for d in docs] == [[[2, 1], [2, 0]], [[1, 1]]]
+    assert step.tolist() == [3, 2, 2]
+
+
+def test_loss_step_fields_of_a_step_without_trained_tokens_are_zero() -> None:
+    docs, step = step_loss_fields([np.array([0, 0]), np.array([0])])
+    assert [d.tolist() for d in docs] == [[[0, 0], [0, 0]], [[0, 0]]]
+    assert step.tolist() == [0, 0, 2]
+
+
+def test_loss_step_fields_refuse_keys_that_do_not_fit() -> None:
+    with pytest.raises(ValueError, match="2 segments but 1 document keys"):
+        step_loss_fields([np.array([1, 2])], [np.array([0])])
+    with pytest.raises(ValueError, match="keys must be >= 0, got -3"):
+        step_loss_fields([np.array([1])], [np.array([-3])])
+    with pytest.raises(ValueError, match="keys has 1 micro-batches but trained has 2"):
+        step_loss_fields([np.array([1]), np.array([1])], [None])
+
+
+def test_loss_mode_and_reading_checks_name_the_value() -> None:
+    assert check_mode("sequence_sum") == "sequence_sum"
+    with pytest.raises(ValueError, match=r"mode='seq-mean'; choose one of \('token_mean'"):
+        check_mode("seq-mean")
+    assert check_reading("pieces") == "pieces"
+    with pytest.raises(
+        ValueError,
+        match=r"split_documents='doc'; choose one of \('whole', 'pieces'\) \(a split document's",
+    ):
+        check_reading("doc")
+
+
+# ------------------------------------------------------------------ segments of every batch form
+
+
+def test_loss_segment_trained_counts_nonzero_mask_per_segment() -> None:
+    mask = torch.tensor([[1.0, 1, 0, 0, 1, 0, 0.5, 0]])
+    got = segment_trained(torch.tensor([0, 3, 5, 8]), mask)
+    assert got.tolist() == [2, 1, 1] and got.dtype == np.int64
+    # a zero-length segment (static shapes pad with them) has none
+    assert segment_trained(torch.tensor([0, 3, 3, 8]), mask).tolist() == [2, 0, 2]
+    assert segment_trained(None, torch.tensor([[1.0, 0, 1], [0, 0, 0]])).tolist() == [2, 0]
+
+
+def test_loss_item_segments_reads_every_form_as_the_delivery_merges_it() -> None:
+    docs = [[5, 6, 7], [8, 9], [1, 2, 3, 4]]
+    packed = PackedBatch.from_documents(docs, seq_len=12)
+    buffer, mask = item_segments(packed)
+    assert buffer.tolist() == [0, 3, 5, 9, 12] and mask is packed.loss_mask
+    sft = packed_micro_batch([docs[:2], docs[2:]], 8)  # two rows, -1 sentinels
+    buffer, mask = item_segments(sft)
+    merged = normalize(sft, schema_of()).values
+    assert buffer.tolist() == merged["cu_seqlens"].tolist() == [0, 3, 5, 8, 12, 16]
+    assert torch.equal(mask, merged["loss_mask"])
+    aligned = packed_micro_batch([docs], 16, pad_to_multiple_of=4)
+    assert item_segments(aligned)[0].tolist() == [0, 4, 8, 16]  # the buffer's boundaries
+    plain = padded_micro_batch(docs, 6)
+    buffer, mask = item_segments(plain)
+    assert buffer is None and mask.shape == (3, 6)
+    with pytest.raises(
+        TypeError, match=r"yielded list; expected a megapack\.PackedBatch or a Megatron batch dict"
+    ):
+        item_segments([1, 2])
+
+
+def test_loss_attach_fields_to_a_packed_batch_and_a_dict() -> None:
+    packed = PackedBatch.from_documents([[5, 6, 7], [8, 9]])
+    out = attach_loss_fields(packed, np.array([[2, 1], [1, 1]]), np.array([3, 2, 1]))
+    assert out.extras["loss_documents"].tolist() == [[2, 1], [1, 1]]
+    assert out.extras["loss_documents"].dtype == torch.int64
+    assert (
+        out.extras["loss_step"].tolist() == [[3, 2, 1]]
+        and out.extras["loss_step"].dtype == torch.int64
+    )
+    normalize(out, schema_of(LOSS_FIELDS))  # travels as declared
+    plain = attach_loss_fields(padded_micro_batch([[1, 2], [3]], 4), np.zeros((2, 2)), np.zeros(3))
+    assert plain["loss_documents"].shape == (2, 2)
+    with pytest.raises(ValueError, match=r"shape \(3, 2\) but the batch has 2 document segments"):
+        attach_loss_fields(packed, np.zeros((3, 2)), np.zeros(3))
+    with pytest.raises(ValueError, match=r"already holds \['loss_documents', 'loss_step'\]"):
+        attach_loss_fields(out, np.zeros((2, 2)), np.zeros(3))
+
+
+# ------------------------------------------------------------------ each token's document
+
+
+@pytest.mark.parametrize("layout", CP_LAYOUTS)
+@pytest.mark.parametrize("padded", [False, True], ids=["cu_seqlens", "cu_seqlens_padded"])
+def test_loss_token_documents_agree_on_every_cp_share_without_host_reads(
+    layout: str, padded: bool
+) -> None:
+    docs = [[1] * 5, [2] * 11, [3] * 1, [4] * 7]
+    row = PackedBatch.from_documents(docs, seq_len=48, pad_to_multiple_of=8 if padded else 1)
+    buffer = row.cu_seqlens_padded if padded else row.cu_seqlens
+    whole = {"loss_mask": row.loss_mask, "cu_seqlens": row.cu_seqlens,
+             "cu_seqlens_padded": row.cu_seqlens_padded}  # fmt: skip
+    everywhere = token_documents(whole)
+    # the whole row: a token's segment is the document it belongs to (tokens hold the doc's id)
+    real = row.tokens[0] > 0
+    assert (everywhere[0][real] + 1 == row.tokens[0][real]).all()
+    for cp in (2, 4):
+        if layout == "document" and not padded:
+            continue  # the "document" layout needs spans divisible by 2 * cp
+        for rank in range(cp):
+            share = take_share(whole | {"tokens": row.tokens}, [f for f in schema_of().fields if f.name in whole],
+                               packed=True, cp_size=cp, cp_rank=rank, layout=layout)  # fmt: skip
+            with host_reads() as reads:
+                got = token_documents(share, cp_size=cp, cp_rank=rank, layout=layout)
+            assert reads.by_module() == {}, reads.report()
+            where = cp_indices(buffer, cp, rank, layout=layout)
+            assert got.tolist() == everywhere[:, where].tolist()
+
+
+def test_loss_token_documents_of_plain_rows_are_the_rows() -> None:
+    batch = {"loss_mask": torch.ones(3, 4), "cu_seqlens": None}
+    assert token_documents(batch, cp_size=2, cp_rank=1).tolist() == [[0] * 4, [1] * 4, [2] * 4]
+
+
+# ------------------------------------------------------------------ the losses, one process
+
+
+def _batch(docs: list[Any], fields: bool, **kw: Any) -> dict[str, Any]:
+    """A delivered-looking batch of one micro-batch that is the whole step (cp = 1)."""
+    b = PackedBatch.from_documents(docs, **kw)
+    out: dict[str, Any] = {"loss_mask": b.loss_mask, "cu_seqlens": b.cu_seqlens,
+                           "cu_seqlens_padded": b.cu_seqlens_padded, "packed_seq_params": None}  # fmt: skip
+    if fields:
+        buffer = b.cu_seqlens_padded if b.cu_seqlens_padded is not None else b.cu_seqlens
+        documents, step = step_loss_fields([segment_trained(buffer, b.loss_mask)])
+        out |= {"loss_documents": torch.from_numpy(documents[0]),
+                "loss_step": torch.from_numpy(step)[None]}  # fmt: skip
+    return out
+
+
+DOCS = [{"tokens": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]}, [5, 6], [7], [8, 9, 10, 11, 12]]
+# labels trained: doc 0 positions 1, 2 (tokens 3, 4); doc 1 position 0; doc 2 none; doc 3 0..3
+
+
+@pytest.mark.parametrize("per_token_loss", [False, True])
+@pytest.mark.parametrize("fields", [True, False], ids=["fields", "derived"])
+def test_loss_modes_values_on_both_paths(per_token_loss: bool, fields: bool) -> None:
+    batch = _batch(DOCS, fields, seq_len=16)
+    per_token = torch.arange(16, dtype=torch.float32)[None] / 10
+    l = per_token[0].tolist()  # noqa: E741
+    doc_terms = [[l[1], l[2]], [l[4]], [], [l[7], l[8], l[9], l[10]]]
+    flat = [x for d in doc_terms for x in d]
+    want = {
+        "token_mean": (sum(flat), len(flat)),
+        "sequence_mean": (sum(sum(d) / len(d) for d in doc_terms if d), 3),
+        "sequence_sum": (sum(flat), 3),
+        "micro_batch_mean": (sum(flat) / len(flat), 1),
+    }
+    for mode in LOSS_MODES:
+        if not fields and not per_token_loss and mode != "micro_batch_mean":
+            with pytest.raises(ValueError, match="needs the step's denominators"):
+                normalized_loss(batch, per_token, mode=mode, calculate_per_token_loss=False)
+            continue
+        with host_reads() as reads:
+            out = normalized_loss(
+                batch, per_token, mode=mode, calculate_per_token_loss=per_token_loss
+            )
+        assert reads.by_module() == {}, reads.report()
+        total, count = want[mode]
+        assert out[-1]["lm loss"].tolist() == pytest.approx([total, count])
+        if per_token_loss:
+            assert out[0].item() == pytest.approx(total) and out[1].item() == count
+            assert out[1].dtype == torch.int32
+        else:  # one micro-batch, one DP rank: the loss is the mode's value itself
+            assert len(out) == 2 and out[0].item() == pytest.approx(total / count)
+
+
+def test_loss_modes_of_a_filler_micro_batch_are_zero_not_nan() -> None:
+    filler = [{"tokens": [0] * 8, "loss_mask": [0] * 8}]
+    batch = _batch(filler, True, seq_len=8)
+    per_token = torch.full((1, 8), float("inf"))  # would poison a mean that read it
+    per_token[0, :] = 3.0
+    for mode in LOSS_MODES:
+        for per_token_loss in (False, True):
+            out = normalized_loss(batch, per_token.requires_grad_(), mode=mode,
+                                  calculate_per_token_loss=per_token_loss)  # fmt: skip
+            assert out[0].item() == 0.0 and not torch.isnan(out[0])
+            out[0].backward()
+            assert torch.equal(per_token.grad, torch.zeros(1, 8))
+            per_token.grad = None
+
+
+def test_loss_cp_group_defaults_to_the_batch_packed_seq_params() -> None:
+    from types import SimpleNamespace
+
+    from megapack.megatron.loss import _cp_group
+
+    group = object()
+    assert (
+        _cp_group({"packed_seq_params": SimpleNamespace(cp_group=group)}, loss_default()) is group
+    )
+    assert _cp_group({"packed_seq_params": None}, loss_default()) is None
+    assert _cp_group({"packed_seq_params": SimpleNamespace(cp_group=group)}, None) is None
+
+
+def loss_default() -> Any:
+    from megapack.megatron.loss import _FROM_BATCH
+
+    return _FROM_BATCH
+
+
+def test_loss_refuses_what_does_not_fit_naming_it() -> None:
+    batch = _batch(DOCS, True, seq_len=16)
+    per_token = torch.zeros(1, 16)
+    with pytest.raises(ValueError, match=r"mode='mean'"):
+        normalized_loss(batch, per_token, mode="mean", calculate_per_token_loss=True)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match="calculate_per_token_loss must be megatron-core's config flag"
+    ):
+        normalized_loss(batch, per_token, calculate_per_token_loss=1)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"per-token loss has shape \(1, 15\) but loss_mask has \(1, 16\)"
+    ):
+        normalized_loss(batch, per_token[:, 1:], calculate_per_token_loss=True)
+    bad = batch | {"loss_documents": batch["loss_documents"][:2]}
+    with pytest.raises(ValueError, match=r"loss_documents has shape \(2, 2\) but the batch has 5"):
+        normalized_loss(bad, per_token, mode="sequence_mean", calculate_per_token_loss=True)
+    bad = batch | {"loss_step": batch["loss_step"][0]}
+    with pytest.raises(ValueError, match=r"loss_step has shape \(3,\); expected \[1, 3\]"):
+        normalized_loss(bad, per_token, calculate_per_token_loss=False)
+
+
+def test_loss_policy_surrogate_clips_on_both_sides_in_every_mode() -> None:
+    batch = _batch([[1, 2, 3, 4, 5]], True, seq_len=5)
+    logp = torch.full((1, 5), -1.0)  # per-token loss 1
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 0.0]])
+    old = torch.tensor([[-2.0, -0.5, -2.0, -0.5, 0.0]])  # ratios e, e^-0.5, e, e^-0.5
+    batch |= {"advantages": adv, "old_logprobs": old}
+    # A > 0: min(r, clip(r)) -> 1.2 (r = e), 0.607 (r < 0.8 is not clipped from below)
+    # A < 0: -max(...) terms -> -e (r = e: unclipped max), -0.8
+    terms = [-1.2, -np.exp(-0.5), np.e, 0.8]
+    out = policy_loss(batch, -logp, mode="token_mean", calculate_per_token_loss=True)
+    assert out[0].item() == pytest.approx(sum(terms), rel=1e-6)
+    out = policy_loss(batch, -logp, mode="sequence_mean", calculate_per_token_loss=False)
+    assert out[0].item() == pytest.approx(sum(terms) / 4, rel=1e-6)
+
+
+# ------------------------------------------------------------------ producers: the plan, StreamingPacker
+
+
+def _corpus() -> list[Document]:
+    """Documents whose every token is their index + 1, so a segment says whose piece it is."""
+    rng = np.random.default_rng(3)
+    out = []
+    for i, n in enumerate([3, 30, 9, 1, 70, 14, 22, 5, 17, 2, 40, 11]):
+        mask = (rng.random(n) < 0.7).astype(np.float32)
+        if i == 5:
+            mask[:] = 0  # fully masked
+        out.append(Document(tokens=np.full(n, i + 1), loss_mask=mask, source=f"d{i}"))
+    return out
+
+
+def _expected(batches: list[PackedBatch], whole: bool) -> tuple[list[np.ndarray], np.ndarray]:
+    """The fields by definition from the step's built micro-batches (global order): a segment's
+    document is its first token (padding segments: their own)."""
+    trained, keys = [], []
+    for b in batches:
+        buffer, mask = item_segments(b)
+        trained.append(segment_trained(buffer, mask))
+        first = b.tokens[0, buffer[:-1].long()].numpy()
+        keys.append(np.where(first > 0, first, 10_000 + np.arange(len(first)) + 100 * len(keys)))
+    return step_loss_fields(trained, keys if whole else None)
+
+
+@pytest.mark.parametrize(("multiple", "balance"), [(1, "token"), (4, "token"), (1, "compute")])
+@pytest.mark.parametrize("reading", ["whole", "pieces"])
+def test_loss_fields_of_packed_dataset_come_from_the_plan(
+    multiple: int, balance: str, reading: str
+) -> None:
+    from megapack.packing import CostModel
+
+    kw = dict(seq_len=32, rows_per_micro_batch=1, micro_batches=2, dp_size=2, pad_to_multiple_of=multiple,
+              balance=balance, cost=CostModel(a=1.0, b=1.0) if balance == "compute" else None)  # fmt: skip
+    ranks = [PackedDataset(_corpus(), dp_rank=r, loss_fields=True, split_documents=reading, **kw)
+             for r in range(2)]  # fmt: skip
+    plain = [PackedDataset(_corpus(), dp_rank=r, **kw) for r in range(2)]
+    steps = len(ranks[0]) // 2
+    assert ranks[0].meta["split_documents"] == 2 and steps >= 2
+    counted = 0
+    for step in range(steps):
+        index = [(g % 2, step * 2 + g // 2) for g in range(4)]  # the step's global order
+        documents, totals = _expected([plain[r][i] for r, i in index], reading == "whole")
+        for g, (r, i) in enumerate(index):
+            extras = ranks[r][i].extras
+            assert extras["loss_documents"].tolist() == documents[g].tolist(), (step, g)
+            assert extras["loss_step"].tolist() == [totals.tolist()]
+        assert totals[2] == 4
+        counted += int(totals[1])
+    trained_docs = sum(1 for d in _corpus() if (d.loss_mask[1:] != 0).any())
+    assert counted > trained_docs if reading == "pieces" else counted >= trained_docs
+
+
+def test_loss_fields_of_packed_dataset_survive_save_and_load(tmp_path: Path) -> None:
+    ds = PackedDataset(_corpus(), seq_len=32, loss_fields=True, micro_batches=2)
+    ds.save(tmp_path / "p")
+    loaded = PackedDataset.load(tmp_path / "p", loss_fields=True, micro_batches=2)
+    assert np.array_equal(loaded._arrays["origins"], ds._arrays["origins"])
+    for i in range(len(ds)):
+        assert (
+            loaded[i].extras["loss_documents"].tolist() == ds[i].extras["loss_documents"].tolist()
+        )
+    # a directory packed before origins were written: "whole" cannot know the pieces, "pieces" can
+    (tmp_path / "p" / "origins.npy").unlink()
+    with pytest.raises(
+        ValueError, match=r"split_documents='whole' needs to know .* no origins\.npy"
+    ):
+        PackedDataset.load(tmp_path / "p", loss_fields=True)
+    PackedDataset.load(tmp_path / "p", loss_fields=True, split_documents="pieces")
+    with pytest.raises(ValueError, match="split_documents='all'"):
+        PackedDataset(_corpus(), seq_len=32, loss_fields=True, split_documents="all")
+    with pytest.raises(TypeError, match="loss_fields must be True or False"):
+        PackedDataset(_corpus(), seq_len=32, loss_fields="yes")  # type: ignore[arg-type]
+
+
+def test_loss_fields_origins_written_by_pack_writer_equal_packed_dataset(tmp_path: Path) -> None:
+    writer = PackWriter(tmp_path / "w", 32, checkpoint_every=3)
+    writer.write(iter(_corpus()))
+    ds = PackedDataset(_corpus(), seq_len=32)
+    assert np.load(tmp_path / "w" / "origins.npy").tolist() == ds._arrays["origins"].tolist()
+    assert ds._arrays["origins"].tolist()[:7] == [0, 1, 2, 3, 4, 4, 4]  # 70 tokens: 3 pieces
+
+
+def test_loss_fields_warn_of_a_step_without_trained_tokens(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    docs = [Document(tokens=[1, 2, 3], loss_mask=[0, 0, 0])]
+    ds = PackedDataset(docs, seq_len=8, loss_fields=True)
+    with caplog.at_level(logging.WARNING, logger="megapack"):
+        batch = ds[0]
+    assert batch.extras["loss_step"].tolist() == [[0, 0, 1]]
+    assert "step 0 of epoch 0 has no trained token" in caplog.text
+
+
+@pytest.mark.parametrize("reading", ["whole", "pieces"])
+def test_loss_fields_of_streaming_bins_match_the_definition(reading: str) -> None:
+    docs = _corpus()
+    bins = [[Piece(4, 0, 32, docs[4]), Piece(0, 0, 3, docs[0])], [Piece(4, 32, 64, docs[4])],
+            [Piece(4, 64, 70, docs[4]), Piece(1, 0, 30, docs[1].as_dict())], [Piece(2, 0, 9, list(docs[2].tokens))]]  # fmt: skip
+    ranks = [step_batches(bins, seq_len=64, dp_rank=r, dp_size=2, micro_batches=2,
+                          split_documents=reading) for r in range(2)]  # fmt: skip
+    got = [ranks[g % 2][g // 2] for g in range(4)]
+    t4 = [
+        int(np.count_nonzero(docs[4].loss_mask[a + 1 : b]))
+        for a, b in ((0, 32), (32, 64), (64, 70))
+    ]
+    t0, t1, t2 = (
+        int(np.count_nonzero(docs[0].loss_mask[1:])),
+        int(np.count_nonzero(docs[1].loss_mask[1:])),
+        8,
+    )
+    if reading == "whole":
+        c4 = sum(t4)
+        want = [
+            [[c4, 1], [t0, 1], [0, 0]],
+            [[c4, 0], [0, 0]],
+            [[c4, 0], [t1, 1], [0, 0]],
+            [[t2, 1], [0, 0]],
+        ]
+    else:
+        want = [
+            [[t4[0], 1], [t0, 1], [0, 0]],
+            [[t4[1], 1], [0, 0]],
+            [[t4[2], 1], [t1, 1], [0, 0]],
+            [[t2, 1], [0, 0]],
+        ]
+    assert [b.extras["loss_documents"].tolist() for b in got] == want
+    docs_counted = 4 if reading == "whole" else 6
+    assert got[0].extras["loss_step"].tolist() == [[sum(t4) + t0 + t1 + t2, docs_counted, 4]]
+    short = step_batches(bins[:1], seq_len=64, dp_size=2, micro_batches=2)  # filler rows
+    assert short[1].extras["loss_documents"].tolist() == [[0, 0]]
+    with pytest.raises(ValueError, match="5 bins given for one global batch of 4 rows"):
+        step_batches(bins + bins[:1], seq_len=64, dp_size=2, micro_batches=2)
+    with pytest.raises(TypeError, match="stream document 9 is a bare length"):
+        step_batches([[Piece(9, 0, 5, 5)]], seq_len=8)
+
+
+def test_loss_with_loss_fields_on_one_rank_reads_a_step_at_a_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    micro = [padded_micro_batch([[1, 2, 3], [4, 5]], 4), padded_micro_batch([[6, 7, 8, 9]], 4),
+             padded_micro_batch([[1, 1]], 4)]  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="megapack"):
+        got = list(with_loss_fields(iter(micro), micro_batches=2, group=None))
+        assert "has no trained token" not in caplog.text
+        list(with_loss_fields(iter([padded_micro_batch([[1]], 4)]), micro_batches=2, group=None))
+    assert (
+        "with_loss_fields step 0 has no trained token (every loss_mask is 0): its loss and gradient are 0"
+        in caplog.text
+    )
+    assert [g["loss_documents"].tolist() for g in got] == [[[2, 1], [1, 1]], [[3, 1]], [[1, 1]]]
+    assert [g["loss_step"].tolist() for g in got] == [[[6, 3, 2]], [[6, 3, 2]], [[1, 1, 1]]]
+    with pytest.raises(ValueError, match="micro_batches must be"):
+        with_loss_fields(iter(micro), micro_batches=0, group=None)
+    broken = with_loss_fields(
+        iter([micro[0], {"tokens": torch.zeros(1, 2)}]), micro_batches=2, group=None
+    )
+    with pytest.raises(ValueError, match="batch is missing 'loss_mask'"):
+        next(broken)
+
+
+def test_loss_two_tuple_path_scales_by_the_steps_micro_batches() -> None:
+    # one of 4 micro-batches of a step of 10 trained tokens and 3 documents: the schedule divides
+    # the loss by 4 (and DDP by dp), so the loss carries the factor back
+    batch = _batch(DOCS, True, seq_len=16) | {"loss_step": torch.tensor([[10, 3, 4]])}
+    per_token = torch.ones(1, 16)
+    loss, _ = normalized_loss(batch, per_token, mode="token_mean", calculate_per_token_loss=False)
+    assert loss.item() == pytest.approx(7 * 4 / 10)
+    loss, _ = normalized_loss(batch, per_token, mode="sequence_sum", calculate_per_token_loss=False)
+    assert loss.item() == pytest.approx(7 * 4 / 3)
+    # micro_batch_mean of one trained token is that token's loss, not half of it
+    one = _batch([[1, 2]], False, seq_len=4)
+    loss, report = normalized_loss(one, torch.full((1, 4), 5.0), mode="micro_batch_mean",
+                                   calculate_per_token_loss=False)  # fmt: skip
+    assert loss.item() == 5.0 and report["lm loss"].tolist() == [5.0, 1.0]
+    # half the fields is no fields: the 2-tuple path says what is missing
+    with pytest.raises(ValueError, match="needs the step's denominators"):
+        normalized_loss({k: v for k, v in batch.items() if k != "loss_step"}, per_token,
+                        calculate_per_token_loss=False)  # fmt: skip
