@@ -14,7 +14,8 @@ Document boundaries come from ``cu_seqlens_q`` (real lengths) and, when document
 alignment, ``cu_seqlens_q_padded`` (buffer offsets). Each query attends to the keys of its own
 document at positions <= its own. Outputs at alignment-padding positions are zero. What is derived
 from the boundaries (positions, masks, the flex block mask, RoPE's cos/sin) is computed once per
-micro-batch and cached on ``packed_seq_params`` (`megapack.attention.documents`).
+micro-batch and cached on ``packed_seq_params`` (`megapack.attention.documents`), and so is the
+backend ``"auto"`` resolves to: the first layer of a micro-batch chooses, the others reuse it.
 
 RoPE: for THD batches `megapack.megatron`'s self-attention hands megatron-core's table over
 (`megapack.attention.rope`) and the query and key are rotated here, by each token's position in its
@@ -147,10 +148,15 @@ class PackedAttention(torch.nn.Module):
         if query.dim() != 3:
             raise ValueError(f"THD query must be [T, heads, dim], got shape {tuple(query.shape)}")
         needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
-        name = resolve_backend(
-            self.backend, query.device, training=needs_grad, dropout=dropout, dtype=query.dtype
-        )
         docs = Documents.from_params(packed_seq_params, total=query.shape[0])
+        choice = ("backend", self.backend, query.device, needs_grad, dropout, query.dtype)
+        name = docs.memo.get(
+            choice
+        )  # resolved by the micro-batch's first layer, reused by the rest
+        if name is None:
+            name = docs.memo[choice] = resolve_backend(
+                self.backend, query.device, training=needs_grad, dropout=dropout, dtype=query.dtype
+            )
         rope = handed_over(packed_seq_params) if self.rotary else None
         if group is not None:
             return self._cp_forward(

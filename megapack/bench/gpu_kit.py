@@ -9,9 +9,13 @@ tp = pp = 1), in this order:
 3. the model: `gpu_model.PRESET` in bf16 through ``Float16Module``, its parameter count against the
    FLOPs formula's;
 4. packed == padded in bf16 on that model (the dry run: on a bf16 copy of its toy model);
-5. syncs: get_batch_on_this_tp_rank, prefetch and a packed fwd+bwd under
-   ``torch.cuda.set_sync_debug_mode("error")`` (`gpu_checks.sync_checks`);
-6. the bf16 matmul ceiling (8,192^3), then throughput (`megapack.bench.gpu`) and the targets.
+5. syncs under ``torch.cuda.set_sync_debug_mode("error")``, a positive control first: get_batch,
+   prefetch, a packed fwd+bwd, whole training steps (schedule, prefetch, optimizer; aligned padding
+   too) and every backend that trains in bf16 (`gpu_checks.sync_checks`);
+6. the bf16 matmul rate (8,192^3), then throughput: packing against every baseline of
+   `megapack.bench.layouts` (`megapack.bench.gpu`, summarized by `megapack.bench.baselines`),
+   MFU against the device's bf16 peak (`megapack.bench.devices`);
+7. one profiled step per mode (`megapack.bench.profile`), then the targets.
 
 Every step's exception becomes a failed check and the next step runs; the report
 (`megapack.bench.gpu_report`) is rewritten after each. Exit status: 0 when nothing failed, 3 when a
@@ -40,17 +44,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megapack.bench.baselines import summarize
+from megapack.bench.devices import peak_bf16_flops
 from megapack.bench.gpu import (
     ThroughputSizes,
     length_mixes,
     run_gpu_throughput,
-    summarize,
     target_checks,
+    time_steps,
 )
 from megapack.bench.gpu_checks import (
     attention_checks,
     attention_timing,
+    backend_sync_checks,
     packed_vs_padded,
+    step_sync_checks,
     sync_checks,
 )
 from megapack.bench.gpu_model import PRESET, TOY, GptShape, build_gpt, matmul_ceiling
@@ -94,11 +102,13 @@ FULL = KitSizes(
     loss_lengths=(1, 7, 1500, 33, 1024, 2, 511, 900),
     timing_lengths=(2048, 2048, 1893, 2048, 1207, 2048, 1058, 2048),  # 14,398 tokens, 8 documents
     timing_repeats=20,
-    throughput=ThroughputSizes(seq_lens=(4096, 8192), documents=64, rows=2, warmup=1, steps=3, length_scale=1.0),
+    throughput=ThroughputSizes(seq_lens=(4096, 8192), documents=64, rows=2, warmup=1, steps=5, length_scale=1.0),
     matmul_n=8192,
-    budget_s=330.0,
+    budget_s=270.0,
 )  # fmt: skip
-"""One GPU: the 0.84B preset at seq 4,096 and 8,192; sized for under 6 minutes on an H100."""
+"""One GPU: the 0.84B preset at seq 4,096 (then 8,192 while the budget lasts); under 6 minutes."""
+KIT_TARGET_S = 360.0
+"""Target: the whole kit within 6 minutes on the device."""
 
 DRY = KitSizes(
     shape=TOY,
@@ -108,7 +118,7 @@ DRY = KitSizes(
     loss_lengths=(1, 7, 40, 3, 30, 2, 20),
     timing_lengths=(64, 64, 59, 64, 38, 64, 33, 64),
     timing_repeats=2,
-    throughput=ThroughputSizes(seq_lens=(128, 256), documents=16, rows=2, warmup=1, steps=1, length_scale=1 / 16),
+    throughput=ThroughputSizes(seq_lens=(128, 256), documents=16, rows=2, warmup=1, steps=3, length_scale=1 / 16),
     matmul_n=512,
     budget_s=600.0,
 )  # fmt: skip
@@ -121,9 +131,10 @@ def run_kit(out: Path, *, dry_run: bool, sizes: KitSizes | None = None, seed: in
     cuda = torch.cuda.is_available() and not dry_run
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     sizes = sizes or (FULL if cuda else DRY)
-    report = Report(
-        out=out, device=_device_name(device), torch=torch.__version__, notes=_notes(sizes, dry_run)
-    )
+    name = _device_name(device)
+    peak, peak_name = peak_bf16_flops(name) if cuda else (None, "unknown device")
+    report = Report(out=out, device=name, torch=torch.__version__, notes=_notes(sizes, dry_run),
+                    peak=f"{peak_name}, {peak / 1e12:,.0f} TFLOP/s" if peak else peak_name)  # fmt: skip
     report.write()
     state: dict[str, Any] = {}
 
@@ -151,12 +162,18 @@ def run_kit(out: Path, *, dry_run: bool, sizes: KitSizes | None = None, seed: in
     mixes = length_mixes(_openchat(), sizes.throughput.documents, max_len=min(sizes.throughput.seq_lens),
                          scale=sizes.throughput.length_scale, seed=seed)  # fmt: skip
     step("sync", lambda: _syncs(sizes, device, state, mixes["openchat"], seq, seed))
-    step("throughput", lambda: _throughput(sizes, device, state, mixes, report, start, seed))
+    step("throughput", lambda: _throughput(sizes, device, state, mixes, report, start, seed, peak))
+    step("profile", lambda: _profile(sizes, device, state, mixes["openchat"], report, seed))
     on_preset = cuda and sizes.shape == PRESET
     why_not = f"the targets apply on a GPU at the preset size; this run: {device.type}, {_shape(sizes.shape)}"
     step("targets", lambda: target_checks(report.throughput, state.get("sync", []), seq_len=seq,
                                           applies=on_preset, why_not=why_not))  # fmt: skip
-    report.notes.append(f"kit wall time {time.perf_counter() - start:.0f} s")
+    wall = time.perf_counter() - start
+    report.notes.append(f"kit wall time {wall:.0f} s")
+    target = f"target: the kit within {KIT_TARGET_S / 60:.0f} minutes"
+    report.add(Check(name=target, status="skipped", detail=why_not) if not on_preset else
+               Check(name=target, status="passed" if wall <= KIT_TARGET_S else "failed",
+                     detail=f"{wall:.0f} s"))  # fmt: skip
     report.write()
     _tear_down()
     return report
@@ -183,7 +200,7 @@ def _set_up(device: torch.device, seed: int) -> list[Check]:
     detail = (
         f"torch.distributed {dist.get_backend()} world of 1, megatron-core parallel_state tp=1 pp=1"
     )
-    return [Check(name="set-up", status="passed", detail=detail)]
+    return [Check(name="set-up", status="info", detail=detail)]
 
 
 def _tear_down() -> None:
@@ -202,7 +219,8 @@ def _fp32_losses(sizes: KitSizes, device: torch.device, seq_len: int, seed: int)
         return packed_vs_padded(
             model, device=device, dtype=torch.float32, lengths=sizes.loss_lengths, seq_len=seq_len,
             vocab_size=sizes.fp32_shape.vocab_size, seed=seed,
-            label=f"packed == padded per-token losses (float32, {sizes.fp32_shape.num_layers} layers)",
+            label=f"packed == padded per-token losses (float32, {_auto(device, torch.float32)}, "
+            f"{sizes.fp32_shape.num_layers} layers)",
         )  # fmt: skip
     finally:
         del model
@@ -222,7 +240,8 @@ def _bf16_losses(
     return packed_vs_padded(
         model, device=device, dtype=torch.bfloat16, lengths=sizes.loss_lengths, seq_len=seq_len,
         vocab_size=shape.vocab_size, seed=seed,
-        label=f"packed == padded per-token losses (bfloat16, Float16Module, {shape.num_layers} layers)",
+        label=f"packed == padded per-token losses (bfloat16, {_auto(device, torch.bfloat16)}, "
+        f"Float16Module, {shape.num_layers} layers)",
     )  # fmt: skip
 
 
@@ -244,26 +263,30 @@ def _syncs(sizes: KitSizes, device: torch.device, state: dict[str, Any], lengths
            seed: int) -> list[Check]:  # fmt: skip
     import numpy as np
 
-    from megapack.bench.throughput import micro_batches
+    from megapack.bench.layouts import micro_batches
 
     rng = np.random.default_rng(seed)
     docs = [rng.integers(1, sizes.shape.vocab_size, n) for n in lengths]
-    checks = sync_checks(state["model"], micro_batches("packed", docs, seq_len, 1), device=device)
+    packed = micro_batches("packed", docs, seq_len, 1)
+    checks = sync_checks(state["model"], packed, device=device)
+    checks += step_sync_checks(state["model"], packed, docs, seq_len, device=device)
+    checks += backend_sync_checks(device, sizes.dtype)
     state["sync"] = checks
     return checks
 
 
 def _throughput(sizes: KitSizes, device: torch.device, state: dict[str, Any], mixes: dict[str, list[int]],
-                report: Report, start: float, seed: int) -> list[Check]:  # fmt: skip
+                report: Report, start: float, seed: int, peak: float | None) -> list[Check]:  # fmt: skip
     from megapack import Topology
 
-    ceiling = matmul_ceiling(device, sizes.dtype, n=sizes.matmul_n)
-    report.notes.append(f"matmul ceiling (MFU denominator): {ceiling / 1e12:.1f} TFLOP/s, "
-                        f"{str(sizes.dtype).removeprefix('torch.')} {sizes.matmul_n}^3, median of 10")  # fmt: skip
+    matmul = matmul_ceiling(device, sizes.dtype, n=sizes.matmul_n)
+    report.notes.append(f"measured matmul: {matmul / 1e12:.1f} TFLOP/s, "
+                        f"{str(sizes.dtype).removeprefix('torch.')} {sizes.matmul_n}^3, median of 10"
+                        + (f" ({matmul / peak:.0%} of the bf16 peak)" if peak else ""))  # fmt: skip
     rows = run_gpu_throughput(state["model"], sizes.shape, sizes.throughput, mixes, topology=Topology.single(device),
                               deadline=start + sizes.budget_s, seed=seed)  # fmt: skip
     report.details = rows
-    report.throughput = summarize(rows, ceiling)
+    report.throughput = summarize(rows, peak_flops=peak, matmul_flops=matmul)
     bad = [
         f"{r['mix']} seq {r['seq_len']} {r['mode']}: {r['status']}: {r['detail']}"
         for r in rows
@@ -272,9 +295,64 @@ def _throughput(sizes: KitSizes, device: torch.device, state: dict[str, Any], mi
     if bad:
         return [Check(name="throughput", status="failed", detail="; ".join(bad))]
     t = sizes.throughput
-    return [Check(name="throughput", status="passed", detail=(
-        f"{len(rows)} runs: seq {', '.join(map(str, t.seq_lens))} x {len(mixes)} mixes x 3 modes, {t.documents} "
-        f"documents, {t.rows} rows per micro-batch, median of {t.steps} steps after {t.warmup} warm-up"))]  # fmt: skip
+    checks = [Check(name="throughput", status="passed", detail=(
+        f"{len(rows)} runs: seq {', '.join(map(str, t.seq_lens))} x {len(mixes)} mixes x {len(rows) // len(mixes) // len(t.seq_lens)} "
+        f"modes, {t.documents} documents, {t.rows} rows per micro-batch, {t.steps} timed steps after {t.warmup} warm-up"))]  # fmt: skip
+    noisy = [
+        f"{e['config']} vs {e['baseline']} ({e['spread']:.0%})"
+        for e in report.throughput
+        if e["noisy"]
+    ]
+    checks.append(Check(name="throughput spread: ratios whose (max - min) / median exceeds 10% "
+                        "(verdicts read the median)", status="info",
+                        detail=("NOISY: " + "; ".join(noisy)) if noisy else "none: every ratio within 10%"))  # fmt: skip
+    return checks
+
+
+def _profile(sizes: KitSizes, device: torch.device, state: dict[str, Any], lengths: list[int],
+             report: Report, seed: int) -> list[Check]:  # fmt: skip
+    """One step of each mode at the first configuration (seq, openchat) under torch.profiler."""
+    import functools
+
+    import numpy as np
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megapack import Topology
+    from megapack.bench.layouts import MODES, micro_batches
+    from megapack.bench.profile import profile_step
+    from megapack.harness.gpt import forward_step
+
+    seq_len, rows = sizes.throughput.seq_lens[0], sizes.throughput.rows
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(1, sizes.shape.vocab_size, n) for n in lengths]
+    model, topology = state["model"], Topology.single(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    step_fn = functools.partial(forward_step, topology)
+    for mode in MODES:
+        batches = micro_batches(mode, docs, seq_len, rows, seed=seed)
+        packed = mode == "packed"
+
+        def run(batches: list[Any] = batches, packed: bool = packed) -> None:
+            time_steps(get_forward_backward_func(), step_fn, model, optimizer, batches, device,
+                       width=rows * seq_len if packed else None, micro_batch_size=1 if packed else None,
+                       warmup=0, steps=1)  # fmt: skip
+
+        run()  # warm: the profiled step is a steady one
+        report.profile.append(
+            {"mode": mode, "micro_batches": len(batches)} | profile_step(run, device)
+        )
+    optimizer.zero_grad(set_to_none=True)
+    report.write()
+    summary = ", ".join(f"{p['mode']} {p['host_ms']:.0f} ms" for p in report.profile)
+    return [Check(name=f"profile: one step per mode (openchat, seq {seq_len})", status="info",
+                  detail=f"host time {summary}; see the report's profile table")]  # fmt: skip
+
+
+def _auto(device: torch.device, dtype: torch.dtype) -> str:
+    """The backend "auto" trains with here (what the loss checks run)."""
+    from megapack.attention import choose_backend
+
+    return f"attention {choose_backend(device, dtype, training=True)}"
 
 
 def _openchat() -> list[int]:
@@ -302,7 +380,7 @@ def _notes(sizes: KitSizes, dry_run: bool) -> list[str]:
         f"python {platform.python_version()}, megatron-core {mcore}, commit {commit}"
         + (", DRY RUN (CPU, toy sizes: no GPU numbers)" if dry_run else ""),
         f"model: {_shape(sizes.shape)}, {str(sizes.dtype).removeprefix('torch.')}; seq {', '.join(map(str, t.seq_lens))}; "
-        f"{t.documents} documents a step, {t.rows} rows per micro-batch",
+        f"{t.documents} documents a step, {t.rows} rows per micro-batch, {t.steps} timed steps per mode",
     ]  # fmt: skip
 
 

@@ -2,10 +2,14 @@
 
 The JSON has exactly this shape, whatever happened in the run::
 
-    {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130",
-     "checks": [{"name": "...", "status": "passed" | "failed" | "skipped", "detail": "..."}],
-     "throughput": [{"config": "openchat, seq 4096, vs padded to seq", "packed_tokens_per_s": ...,
-                     "padded_tokens_per_s": ..., "ratio": ..., "theoretical_ratio": ..., "mfu": ...}]}
+    {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "peak": "H100 SXM, 989 TFLOP/s",
+     "checks": [{"name": "...", "status": "passed" | "failed" | "skipped" | "info", "detail": "..."}],
+     "throughput": [{"config": "openchat, seq 4096", "baseline": "length-grouped padding, token
+                     budget", "ratio": ..., "ratio_min": ..., ...}],   (THROUGHPUT_KEYS)
+     "profile": [{"mode": "packed", "host_ms": ..., "device_ms": ..., ...}]}      (PROFILE_KEYS)
+
+A check passes or fails against a threshold it names; "info" lines (the backend auto chose, the
+attention kernels' times) carry figures without a verdict.
 
 `Report` rewrites both files after every check, so a run that dies part-way (a CUDA fault, the
 process killed) still leaves what it measured; `record_crash` then adds the death itself as a
@@ -21,17 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-Status = Literal["passed", "failed", "skipped"]
-STATUSES: tuple[Status, ...] = ("passed", "failed", "skipped")
+Status = Literal["passed", "failed", "skipped", "info"]
+STATUSES: tuple[Status, ...] = ("passed", "failed", "skipped", "info")
 CHECK_KEYS = ("name", "status", "detail")
 THROUGHPUT_KEYS = (
-    "config",
-    "packed_tokens_per_s",
-    "padded_tokens_per_s",
-    "ratio",
-    "theoretical_ratio",
-    "mfu",
-)
+    "config", "baseline", "packed_tokens_per_s", "baseline_tokens_per_s", "ratio", "ratio_min",
+    "ratio_max", "spread", "noisy", "slot_ratio", "flop_ideal", "packed_tflops", "baseline_tflops",
+    "mfu", "mfu_of_matmul",
+)  # fmt: skip
+"""One entry of packing against one baseline (`megapack.bench.baselines.summarize`)."""
+PROFILE_KEYS = ("mode", "host_ms", "device_ms", "micro_batches", "by_owner_ms", "top")
+"""One profiled step (`megapack.bench.profile.profile_step`)."""
 JSON_NAME, MD_NAME = "gpu-report.json", "gpu-report.md"
 
 
@@ -42,7 +46,7 @@ class Check:
     name: str
     """What was checked, e.g. ``"attention: sdpa, torch.bfloat16, fwd+bwd vs fp64 reference"``."""
     status: Status
-    """passed, failed or skipped."""
+    """passed, failed, skipped, or info (figures without a threshold)."""
     detail: str
     """The numbers behind a pass, the error and stack of a failure, or why it was skipped."""
 
@@ -61,12 +65,16 @@ class Report:
     """The device's name, e.g. ``torch.cuda.get_device_name()``."""
     torch: str
     """torch.__version__."""
+    peak: str = "unknown device"
+    """The device's bf16 dense peak as `megapack.bench.devices` names it, or "unknown device"."""
     notes: list[str] = field(default_factory=list)
     """Lines for the markdown header (versions, sizes, the matmul ceiling, wall time)."""
     checks: list[Check] = field(default_factory=list)
     throughput: list[dict[str, Any]] = field(default_factory=list)
     details: list[dict[str, Any]] = field(default_factory=list)
     """Per-mode throughput rows (`megapack.bench.gpu.run_gpu_throughput`), markdown only."""
+    profile: list[dict[str, Any]] = field(default_factory=list)
+    """One profiled step per mode (`PROFILE_KEYS`)."""
 
     def add(self, *checks: Check) -> None:
         self.checks.extend(checks)
@@ -76,8 +84,10 @@ class Report:
         return {
             "device": self.device,
             "torch": self.torch,
+            "peak": self.peak,
             "checks": [{k: getattr(c, k) for k in CHECK_KEYS} for c in self.checks],
             "throughput": [{k: t.get(k) for k in THROUGHPUT_KEYS} for t in self.throughput],
+            "profile": [{k: p.get(k) for k in PROFILE_KEYS} for p in self.profile],
         }
 
     def write(self) -> None:
@@ -93,8 +103,11 @@ class Report:
 def markdown(
     report: dict[str, Any], notes: Sequence[str] = (), details: Sequence[dict[str, Any]] = ()
 ) -> str:
-    """The report as markdown: header notes, the checks, the throughput summary, per-mode rows."""
-    lines = ["# megapack GPU kit", "", f"device: {report['device']}; torch {report['torch']}"]
+    """The report as markdown: header notes, the checks, packing against each baseline, the
+    profile, per-mode rows."""
+    lines = ["# megapack GPU kit", "",
+             f"device: {report['device']} (bf16 peak: {report.get('peak', 'unknown device')}); "
+             f"torch {report['torch']}"]  # fmt: skip
     lines += [f"{n}" for n in notes]
     counts = {s: sum(c["status"] == s for c in report["checks"]) for s in STATUSES}
     lines += ["", "## Checks", "", ", ".join(f"{n} {s}" for s, n in counts.items()), ""]
@@ -103,40 +116,55 @@ def markdown(
         detail = c["detail"].replace("|", "\\|").replace("\n", "<br>")
         lines.append(f"| {c['name']} | {c['status']} | {detail} |")
     if report["throughput"]:
-        lines += ["", "## Throughput (real tokens/s, packed against each padding)", ""]
+        lines += ["", "## Packing against each baseline (real tokens/s, the same documents)", "",
+                  "Ratio: packed tokens/s over the baseline's, the median of the timed steps [min, "
+                  "max]; slot ratio and FLOP ideal: the baseline's token slots and executed FLOPs "
+                  "over packing's; MFU: packing's model FLOPs/s over the device's bf16 peak (beside "
+                  "it, over the measured matmul).", ""]  # fmt: skip
         lines += [
-            "| config | packed tokens/s | padded tokens/s | ratio | slot ratio | ratio / slot ratio | packed MFU |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| config | baseline | packed tokens/s | baseline tokens/s | ratio [min, max] | slot ratio | FLOP ideal | ratio / ideal | packed TFLOP/s | baseline TFLOP/s | MFU (peak) | MFU (matmul) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for t in report["throughput"]:
+            ratio = "-"
+            if t["ratio"] is not None:
+                ratio = f"{t['ratio']:.2f} [{t['ratio_min']:.2f}, {t['ratio_max']:.2f}]"
+                ratio += " NOISY" if t["noisy"] else ""
             share = (
-                t["ratio"] / t["theoretical_ratio"]
-                if t["ratio"] is not None and t["theoretical_ratio"]
-                else None
+                t["ratio"] / t["flop_ideal"] if t["ratio"] is not None and t["flop_ideal"] else None
             )
             cells = [
-                _num(t["packed_tokens_per_s"], "{:,.0f}"),
-                _num(t["padded_tokens_per_s"], "{:,.0f}"),
-                _num(t["ratio"], "{:.2f}"),
-                _num(t["theoretical_ratio"], "{:.2f}"),
-                _num(share, "{:.0%}"),
-                _num(t["mfu"], "{:.1%}"),
-            ]
+                t["baseline"], _num(t["packed_tokens_per_s"], "{:,.0f}"),
+                _num(t["baseline_tokens_per_s"], "{:,.0f}"), ratio, _num(t["slot_ratio"], "{:.2f}"),
+                _num(t["flop_ideal"], "{:.2f}"), _num(share, "{:.0%}"),
+                _num(t["packed_tflops"], "{:.1f}"), _num(t["baseline_tflops"], "{:.1f}"),
+                _num(t["mfu"], "{:.1%}"), _num(t["mfu_of_matmul"], "{:.1%}"),
+            ]  # fmt: skip
             lines.append(f"| {t['config']} | " + " | ".join(cells) + " |")
+    if report.get("profile"):
+        lines += ["", "## Where a step's time goes (torch.profiler, one step per mode)", "",
+                  "| mode | micro-batches | host ms | device busy ms | self CPU ms by owner | top kernels or ops (self ms) |",
+                  "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for p in report["profile"]:
+            owners = ", ".join(f"{k} {v:.1f}" for k, v in p["by_owner_ms"].items())
+            top = "; ".join(f"{name} {ms:.2f}" for name, ms in p["top"])
+            cells = [p["mode"], str(p["micro_batches"]), f"{p['host_ms']:.1f}",
+                     _num(p["device_ms"], "{:.1f}"), owners, top.replace("|", "\\|")]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
     if details:
         lines += ["", "### Every mode", ""]
         lines += [
-            "| seq | mix | mode | status | real tokens/s | step s | micro-batches | token slots | real tokens | effective TFLOP/s |",
+            "| seq | mix | mode | status | real tokens/s | step s (median) | micro-batches | token slots | tokens | executed TFLOP/s |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in details:
             ok = r.get("status") == "ok"
-            tflops = r["flops"] / r["step_s"] / 1e12 if ok else None
+            tflops = r["executed_flops"] / r["step_s"] / 1e12 if ok else None
             cells = [
                 str(r["seq_len"]), r["mix"], r["mode"],
                 r["status"] if ok else f"{r['status']}: {r.get('detail', '')}",
                 _num(r.get("tokens_per_s"), "{:,.0f}"), _num(r.get("step_s"), "{:.3f}"),
-                str(r["micro_batches"]), f"{r['slots']:,}", f"{r['real_tokens']:,}",
+                str(r["micro_batches"]), f"{r['slots']:,}", f"{r['tokens']:,}",
                 _num(tflops, "{:.1f}"),
             ]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
@@ -154,9 +182,11 @@ def record_crash(out: Path, returncode: int, log: Path | None) -> Report:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = {"device": "unknown", "torch": "unknown", "checks": [], "throughput": []}
-    report = Report(out=out, device=data["device"], torch=data["torch"])
+    report = Report(out=out, device=data["device"], torch=data["torch"],
+                    peak=data.get("peak", "unknown device"))  # fmt: skip
     report.checks = [Check(**{k: c[k] for k in CHECK_KEYS}) for c in data["checks"]]
     report.throughput = list(data["throughput"])
+    report.profile = list(data.get("profile", []))
     tail = ""
     if log is not None and log.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])

@@ -49,35 +49,53 @@ def test_dry_run_report(tmp_path: Path) -> None:
     assert done.returncode == 0 and not failed, (failed, done.stdout[-3000:], done.stderr[-3000:])
     # CPU seconds, not wall time: a loaded CI machine stretches the wall clock (~20 s idle, 2 cores)
     assert cpu_s < 60, f"the dry run took {cpu_s:.0f} CPU s; it must stay under a minute"
-    assert list(report) == ["device", "torch", "checks", "throughput"]
+    assert list(report) == ["device", "torch", "peak", "checks", "throughput", "profile"]
     assert report["device"].startswith("cpu") and report["torch"] == torch.__version__
+    assert report["peak"] == "unknown device"  # no MFU without a known peak: never a guess
     checks = report["checks"]
     assert all(tuple(c) == CHECK_KEYS for c in checks)
     by_status = {
-        s: [c for c in checks if c["status"] == s] for s in ("passed", "failed", "skipped")
+        s: [c for c in checks if c["status"] == s] for s in ("passed", "failed", "skipped", "info")
     }
     assert not by_status["failed"], by_status["failed"]
     for c in by_status["skipped"]:  # only what needs CUDA, saying so
         assert "CUDA" in c["detail"] or c["name"].startswith("target:"), c
     passed = " / ".join(c["name"] for c in by_status["passed"])
-    for name in ("set-up", "attention: sdpa, float32, fwd+bwd", "packed == padded per-token losses (float32",
-                 "packed == padded per-token losses (bfloat16, Float16Module", "model: 0.1M-parameter GPT",
-                 "throughput"):  # fmt: skip
+    for name in ("attention: sdpa, float32, fwd+bwd", "packed == padded per-token losses (float32",
+                 "packed == padded per-token losses (bfloat16, attention sdpa, Float16Module",
+                 "model: 0.1M-parameter GPT", "throughput"):  # fmt: skip
         assert name in passed, f"{name!r} did not pass: {checks}"
+    info = " / ".join(c["name"] for c in by_status["info"])
+    for name in ("set-up", "attention: auto", "attention time", "throughput spread", "profile"):
+        assert name in info, f"{name!r} is not an info line: {checks}"
     skipped = " / ".join(c["name"] for c in by_status["skipped"])
-    for name in ("attention: torch_varlen", "sync: get_batch_on_this_tp_rank",
-                 "sync: prefetch", "sync: packed GPT forward + backward", "target: packed MFU"):  # fmt: skip
+    for name in ("attention: torch_varlen", "sync: positive control", "sync: get_batch_on_this_tp_rank",
+                 "sync: prefetch", "sync: packed GPT forward + backward", "sync: whole step: megatron-core",
+                 "sync: whole step, documents padded", "sync: attention sdpa", "target: packed MFU",
+                 "target: packed >= 1.0x length-grouped", "target: packed executed TFLOP/s",
+                 "target: the kit within 6 minutes"):  # fmt: skip
         assert name in skipped, f"{name!r} was not skipped: {checks}"
+    from megapack.bench.layouts import BASELINES, LABELS
+
     rows = report["throughput"]
-    assert [r["config"] for r in rows] == [
-        f"{mix}, seq {seq}, vs padded to {what}"
-        for seq in (128, 256) for mix in ("openchat", "sft-short") for what in ("seq", "longest")
+    assert [(r["config"], r["baseline"]) for r in rows] == [
+        (f"{mix}, seq {seq}", LABELS[m])
+        for seq in (128, 256) for mix in ("openchat", "sft-short") for m in BASELINES
     ]  # fmt: skip
     for r in rows:
         assert tuple(r) == THROUGHPUT_KEYS
-        assert all(isinstance(r[k], float) and r[k] > 0 for k in THROUGHPUT_KEYS[1:]), r
+        assert r["mfu"] is None and 0 < r["mfu_of_matmul"] < 1, r  # no peak for a CPU
+        assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"] and isinstance(r["noisy"], bool), r
+        for key in ("packed_tokens_per_s", "baseline_tokens_per_s", "slot_ratio", "flop_ideal",
+                    "packed_tflops", "baseline_tflops"):  # fmt: skip
+            assert isinstance(r[key], float) and r[key] > 0, (key, r)
+    assert [p["mode"] for p in report["profile"]] == ["packed", *BASELINES]
+    for p in report["profile"]:
+        assert p["host_ms"] > 0 and p["device_ms"] is None and p["top"], p
+        assert p["by_owner_ms"]["megatron"] > 0 and p["by_owner_ms"]["megapack"] > 0, p
     text = (tmp_path / "kit" / "gpu-report.md").read_text()
-    assert "DRY RUN" in text and "## Checks" in text and "## Throughput" in text
+    assert "DRY RUN" in text and "## Checks" in text and "## Packing against each baseline" in text
+    assert "## Where a step's time goes" in text
     assert (tmp_path / "kit" / "gpu-kit.log").read_text().count("skipped") >= len(
         by_status["skipped"]
     )
@@ -159,7 +177,7 @@ def small_preset(device: torch.device, dtype: torch.dtype) -> Any:
 
 
 def packed_batches(vocab: int, seq_len: int = 2048, count: int = 10) -> list[Any]:
-    from megapack.bench.throughput import micro_batches
+    from megapack.bench.layouts import micro_batches
 
     rng = np.random.default_rng(0)
     docs = [rng.integers(1, vocab, n) for n in rng.integers(1, 1500, 3 * count)]
@@ -197,7 +215,7 @@ def test_zero_syncs_in_delivery_prefetch_and_a_packed_step_on_gpu(cuda_world: to
 
     shape, model = small_preset(cuda_world, torch.bfloat16)
     checks = sync_checks(model, packed_batches(shape.vocab_size), device=cuda_world)
-    assert [c.status for c in checks] == ["passed"] * 3, "\n".join(c.detail for c in checks)
+    assert [c.status for c in checks] == ["passed"] * 4, "\n".join(c.detail for c in checks)
 
 
 class ItemInForward(torch.nn.Module):
@@ -219,27 +237,30 @@ def test_the_sync_check_sees_a_real_sync_on_gpu(cuda_world: torch.device) -> Non
     from megapack.bench.gpu_checks import sync_checks
 
     checks = sync_checks(ItemInForward().to(cuda_world), packed_batches(32000), device=cuda_world)
-    assert [c.status for c in checks][2] == "failed", checks
-    assert "synchronizing" in checks[2].detail and "in forward" in checks[2].detail
+    assert [c.status for c in checks][3] == "failed", checks
+    assert "synchronizing" in checks[3].detail and "in forward" in checks[3].detail
 
 
 @on_gpu
 def test_throughput_smoke_on_gpu(cuda_world: torch.device) -> None:
     from megapack import Topology
+    from megapack.bench.baselines import summarize
     from megapack.bench.datasets import bundled_lengths_path, load_lengths
-    from megapack.bench.gpu import ThroughputSizes, length_mixes, run_gpu_throughput, summarize
+    from megapack.bench.devices import peak_bf16_flops
+    from megapack.bench.gpu import ThroughputSizes, length_mixes, run_gpu_throughput
     from megapack.bench.gpu_model import matmul_ceiling
 
     shape, model = small_preset(cuda_world, torch.bfloat16)
     sizes = ThroughputSizes(
-        seq_lens=(2048,), documents=16, rows=2, warmup=1, steps=1, length_scale=1.0
+        seq_lens=(2048,), documents=16, rows=2, warmup=1, steps=2, length_scale=1.0
     )
     mixes = length_mixes(load_lengths(bundled_lengths_path())[0], 16, max_len=2048)
     rows = run_gpu_throughput(model, shape, sizes, mixes, topology=Topology.single(cuda_world))
-    assert [r["status"] for r in rows] == ["ok"] * 6, rows
-    ceiling = matmul_ceiling(cuda_world, torch.bfloat16, n=4096)
-    assert ceiling > 50e12, f"bf16 matmul at {ceiling / 1e12:.0f} TFLOP/s"
-    for entry in summarize(rows, ceiling):
-        assert entry["ratio"] > 0 and entry["theoretical_ratio"] > 0 and 0 < entry["mfu"] < 1.2, (
-            entry
-        )
+    assert [r["status"] for r in rows] == ["ok"] * 10, rows
+    matmul = matmul_ceiling(cuda_world, torch.bfloat16, n=4096)
+    assert matmul > 50e12, f"bf16 matmul at {matmul / 1e12:.0f} TFLOP/s"
+    peak, _ = peak_bf16_flops(torch.cuda.get_device_name(cuda_world))
+    for entry in summarize(rows, peak_flops=peak, matmul_flops=matmul):
+        assert (
+            entry["ratio"] > 0 and entry["slot_ratio"] > 0 and 0 < entry["mfu_of_matmul"] < 1.2
+        ), entry

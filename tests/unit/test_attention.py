@@ -296,3 +296,23 @@ def test_attention_package_imports_only_what_its_docstring_allows() -> None:
         if bad:
             offenders[path.name] = bad
     assert offenders == {}
+
+
+def test_auto_backend_is_resolved_once_per_micro_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import megapack.attention.packed as packed
+
+    calls = []
+    real = packed.resolve_backend
+    monkeypatch.setattr(packed, "resolve_backend", lambda *a, **k: calls.append(a) or real(*a, **k))
+    cu = torch.tensor([0, 3, 5, 9, 16], dtype=torch.int32, device=DEVICE)
+    params = make_packed_seq_params(cu, None, 7)
+    layers = [attention("auto") for _ in range(4)]
+    q, k, v = inputs(16, seed=3)
+    outs = [layer(q, k, v, None, packed_seq_params=params) for layer in layers]  # 4 layers, 1 batch
+    assert len(calls) == 1 and all(torch.equal(o, outs[0]) for o in outs)
+    with torch.no_grad():  # another choice (no gradient): resolved again, once
+        layers[0](q, k, v, None, packed_seq_params=params)
+        layers[1](q, k, v, None, packed_seq_params=params)
+    assert len(calls) == 2
+    layers[0](q, k, v, None, packed_seq_params=make_packed_seq_params(cu.clone(), None, 7))
+    assert len(calls) == 3  # the next micro-batch's boundaries: its first layer chooses again

@@ -1,4 +1,5 @@
-"""The GPU kit's arithmetic and report, on CPU: FLOPs, length mixes, ratios, target verdicts, JSON.
+"""The GPU kit's arithmetic and report, on CPU: FLOPs, layouts and baselines, length mixes, ratios
+with their spread, device peaks, target verdicts, the profile, JSON.
 
 The GPU runs themselves are in tests/functional/test_gpu_kit.py (the dry run here, ``gpu``-marked
 tests on a GPU).
@@ -13,14 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from megapack.bench.gpu import (
-    PADDED,
-    TARGETS,
-    length_mixes,
-    step_estimate,
-    summarize,
-    target_checks,
-)
+from megapack.bench.baselines import summarize
+from megapack.bench.devices import peak_bf16_flops
+from megapack.bench.gpu import length_mixes, step_estimate, target_checks
 from megapack.bench.gpu_model import PRESET, TOY, GptShape
 from megapack.bench.gpu_report import (
     CHECK_KEYS,
@@ -30,6 +26,7 @@ from megapack.bench.gpu_report import (
     markdown,
     record_crash,
 )
+from megapack.bench.layouts import LABELS, MODES, grouped, layout_cost, micro_batches
 
 
 # -- FLOPs ---------------------------------------------------------------------------------------
@@ -73,42 +70,92 @@ def test_length_mixes() -> None:
     assert max(small["sft-short"]) <= 64
 
 
+# -- the layouts: the same documents, each baseline ---------------------------------------------------
+def test_every_layout_holds_the_same_tokens() -> None:
+    rng = np.random.default_rng(4)
+    docs = [rng.integers(1, 100, n) for n in rng.integers(1, 250, 40)]
+    total = sum(len(d) for d in docs)
+    for mode in MODES:
+        batches = micro_batches(mode, docs, 256, 2)
+        tokens = [b.tokens if hasattr(b, "tokens") else b["tokens"] for b in batches]
+        assert sum(int((t > 0).sum()) for t in tokens) == total, mode  # ids >= 1, padding 0
+        cost = layout_cost(batches)
+        assert cost.slots == sum(t.numel() for t in tokens) and sum(cost.spans) == cost.slots
+        assert cost.executed_flops(TOY) >= TOY.training_flops([len(d) for d in docs]), mode
+    ceiling = layout_cost(micro_batches("ceiling", docs, 256, 2))
+    packed = layout_cost(micro_batches("packed", docs, 256, 2))
+    assert ceiling.slots == packed.slots  # the packed rows, unbroken
+    assert ceiling.executed_flops(TOY) > packed.executed_flops(TOY)  # only attention differs
+
+
+def test_grouped_fills_the_token_budget_padded_to_each_micro_batchs_longest() -> None:
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(1, 100, n) for n in rng.integers(1, 500, 300)]
+    groups = grouped(docs, 512, 2)
+    assert sorted(id(d) for g in groups for d in g) == sorted(id(d) for d in docs)  # each once
+    for g in groups:
+        lengths = [len(d) for d in g]
+        assert lengths == sorted(lengths, reverse=True)  # sorted inside its mega-batch
+        assert len(g) * lengths[0] <= 2 * 512 or len(g) == 1  # within the budget
+    # mega-batches: min(n_micro // 4, 50) packed micro-batches' worth, so a long sort run
+    full = sum(len(g) * len(g[0]) for g in groups)
+    assert full / sum(len(d) for d in docs) < 1.2  # grouping leaves little padding
+    lengths = [[len(d) for d in g] for g in groups]
+    assert [
+        [len(d) for d in g] for g in grouped(docs, 512, 2, seed=1)
+    ] != lengths  # seeded mega-batches
+    with pytest.raises(ValueError, match="mode='padded'"):
+        micro_batches("padded", docs, 512, 2)
+
+
+def test_device_peaks_by_name() -> None:
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == (989e12, "H100 SXM")
+    assert peak_bf16_flops("NVIDIA H100 NVL") == (835e12, "H100 NVL")
+    assert peak_bf16_flops("NVIDIA H200") == (989e12, "H200")
+    assert peak_bf16_flops("NVIDIA A100-SXM4-80GB") == (312e12, "A100")
+    assert peak_bf16_flops("NVIDIA B200") == (2250e12, "B200")
+    assert peak_bf16_flops("NVIDIA GH200 480GB") == (989e12, "GH200")
+    assert peak_bf16_flops("NVIDIA L4") == (None, "unknown device")
+
+
 # -- the summary and the targets ------------------------------------------------------------------
-def rows(packed_tps: float = 70_000.0, fixed_tps: float = 30_000.0, longest_tps: float = 60_000.0) -> list[dict[str, Any]]:  # fmt: skip
-    base = {
-        "seq_len": 4096,
-        "mix": "openchat",
-        "status": "ok",
-        "flops": 2.0e15,
-        "real_tokens": 100_000,
-        "micro_batches": 13,
-    }
+def rows(packed: list[float] | None = None, grouped_s: list[float] | None = None,
+         ceiling_s: list[float] | None = None, fixed_s: list[float] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    base = {"config": "openchat, seq 4096", "status": "ok", "tokens": 100_000, "useful_flops": 2.0e15,
+            "micro_batches": 13, "seq_len": 4096, "mix": "openchat"}  # fmt: skip
     return [
-        base | {"mode": "packed", "tokens_per_s": packed_tps, "step_s": 5.0, "slots": 106_496},
-        base | {"mode": "padded_fixed", "tokens_per_s": fixed_tps, "step_s": 9.0, "slots": 262_144},
-        base | {"mode": "padded_longest", "tokens_per_s": longest_tps, "step_s": 6.0, "slots": 120_000},
+        base | {"mode": "packed", "step_times": packed or [5.0] * 5, "slots": 106_496, "executed_flops": 2.1e15},
+        base | {"mode": "padded_fixed", "step_times": fixed_s or [9.0] * 5, "slots": 262_144, "executed_flops": 5.0e15},
+        base | {"mode": "grouped", "step_times": grouped_s or [5.5] * 5, "slots": 110_000, "executed_flops": 2.2e15},
+        base | {"mode": "ceiling", "step_times": ceiling_s or [5.2] * 5, "slots": 106_496, "executed_flops": 2.3e15},
     ]  # fmt: skip
 
 
-def test_summarize() -> None:
-    summary = summarize(rows(), ceiling_flops=800e12)
-    assert [s["config"] for s in summary] == [
-        f"openchat, seq 4096, vs {label}" for label in PADDED.values()
+def test_summarize_with_spread_and_denominators() -> None:
+    summary = summarize(
+        rows(packed=[5.0, 5.0, 4.0, 6.0, 5.0]), peak_flops=989e12, matmul_flops=760e12
+    )
+    assert [s["baseline"] for s in summary] == [
+        LABELS[m] for m in ("padded_fixed", "grouped", "ceiling")
     ]
     assert all(tuple(s) == THROUGHPUT_KEYS for s in summary)
-    fixed, longest = summary
-    assert fixed["ratio"] == pytest.approx(70_000 / 30_000)
-    assert fixed["theoretical_ratio"] == pytest.approx(262_144 / 106_496)
-    assert longest["theoretical_ratio"] == pytest.approx(120_000 / 106_496)
-    assert (
-        fixed["mfu"] == longest["mfu"] == pytest.approx(2.0e15 / 5.0 / 800e12)
-    )  # the packed run's
+    fixed = summary[0]
+    assert fixed["ratio"] == pytest.approx(9.0 / 5.0)
+    assert (fixed["ratio_min"], fixed["ratio_max"]) == pytest.approx((9 / 6, 9 / 4))
+    assert fixed["spread"] == pytest.approx((9 / 4 - 9 / 6) / (9 / 5)) and fixed["noisy"]
+    assert fixed["slot_ratio"] == pytest.approx(262_144 / 106_496)
+    assert fixed["flop_ideal"] == pytest.approx(5.0 / 2.1)
+    assert fixed["mfu"] == pytest.approx(2.0e15 / 5.0 / 989e12)  # MFU: against the peak
+    assert fixed["mfu_of_matmul"] == pytest.approx(2.0e15 / 5.0 / 760e12)
+    assert fixed["packed_tflops"] == pytest.approx(2.1e15 / 5.0 / 1e12)
+    steady = summarize(rows())[1]
+    assert steady["spread"] == 0.0 and not steady["noisy"] and steady["mfu"] is None  # unknown peak
     failed = rows()
     failed[1] |= {"status": "error", "detail": "OutOfMemoryError"}
-    fixed, longest = summarize(failed, ceiling_flops=800e12)
-    assert fixed["ratio"] is None and fixed["padded_tokens_per_s"] is None
-    assert fixed["theoretical_ratio"] == pytest.approx(262_144 / 106_496)  # slots are known anyway
-    assert longest["ratio"] == pytest.approx(70_000 / 60_000)
+    fixed, grouped_entry, _ = summarize(failed)
+    assert fixed["ratio"] is None and fixed["baseline_tokens_per_s"] is None
+    assert fixed["slot_ratio"] == pytest.approx(262_144 / 106_496)  # slots are known anyway
+    assert grouped_entry["ratio"] == pytest.approx(5.5 / 5.0)
 
 
 def sync(*statuses: str) -> list[Check]:
@@ -116,51 +163,50 @@ def sync(*statuses: str) -> list[Check]:
 
 
 def test_targets_met_and_not_met() -> None:
-    # 0.84B on an H200 as a colleague measured it: 2.31x of a 2.46 slot ratio (0.94), 1.15x, 47%
-    share, slot_ratio = TARGETS["share_of_slot_ratio"], 262_144 / 106_496
-    met = summarize(rows(packed_tps=30_000 * slot_ratio * share + 1, longest_tps=10_000), 800e12)
+    # packed faster than grouped, 0.96 of the ceiling's executed rate, MFU 2e15 / 4.5 / 989e12 = 45%
+    met = summarize(
+        rows(packed=[4.5] * 5, ceiling_s=[2.3e15 / (2.1e15 / 4.5 / 0.96)] * 5), peak_flops=989e12
+    )
     checks = target_checks(met, sync("passed", "passed"), seq_len=4096, applies=True)
     assert [c.status for c in checks] == ["passed"] * 4, checks
     just_under = summarize(
-        rows(packed_tps=30_000 * slot_ratio * share - 50, longest_tps=70_000 / 1.09), 1e15
-    )
+        rows(packed=[5.0] * 5, grouped_s=[4.99] * 5, ceiling_s=[2.3e15 / (2.1e15 / 5.0 / 0.949)] * 5),
+        peak_flops=2.0e15 / 5.0 / 0.399,
+    )  # fmt: skip
     checks = target_checks(just_under, sync("passed", "failed"), seq_len=4096, applies=True)
     assert [c.status for c in checks] == ["failed"] * 4, checks
-    assert (
-        "= 0.949" in checks[0].detail
-        and "1.09x" in checks[1].detail
-        and "40.0%" in checks[2].detail
-    )
-    assert "sync 1" in checks[3].detail
+    assert "median 1.00x" in checks[0].detail and "= 0.949" in checks[1].detail
+    assert "39.9%" in checks[2].detail and "sync 1" in checks[3].detail
+    noisy = summarize(rows(packed=[4.0, 5.0, 6.0]), peak_flops=989e12)
+    assert "NOISY" in target_checks(noisy, [], seq_len=4096, applies=True)[0].detail
 
 
 def test_targets_not_measured_or_not_applicable() -> None:
     checks = target_checks([], [], seq_len=4096, applies=True)
     assert [c.status for c in checks] == ["failed"] * 4
-    assert all(
-        "not measured" in c.detail or "0 sync" in c.detail or "passed" in c.detail
-        for c in checks[:3]
-    )
+    assert all("not measured" in c.detail for c in checks[:3])
+    unknown = target_checks(summarize(rows()), sync("passed"), seq_len=4096, applies=True)
+    assert unknown[2].status == "failed" and "unknown device" in unknown[2].detail
     skipped = target_checks(
-        summarize(rows(), 1e15), sync("passed"), seq_len=4096, applies=False, why_not="dry run"
+        summarize(rows()), sync("passed"), seq_len=4096, applies=False, why_not="dry run"
     )
     assert [(c.status, c.detail) for c in skipped] == [("skipped", "dry run")] * 4
 
 
 # -- the report ------------------------------------------------------------------------------------
 def test_report_json_shape_and_markdown(tmp_path: Path) -> None:
-    report = Report(
-        out=tmp_path / "out",
-        device="NVIDIA H100 80GB HBM3",
-        torch="2.11.0+cu130",
-        notes=["note one"],
-    )
-    report.throughput = summarize(rows(), 800e12)
-    report.details = rows()
+    report = Report(out=tmp_path / "out", device="NVIDIA H100 80GB HBM3", torch="2.11.0+cu130",
+                    notes=["note one"], peak="H100 SXM, 989 TFLOP/s")  # fmt: skip
+    report.throughput = summarize(rows(), peak_flops=989e12, matmul_flops=760e12)
+    report.details = [r | {"step_s": 5.0, "tokens_per_s": 20_000.0} for r in rows()]
+    report.profile = [{"mode": "packed", "micro_batches": 13, "host_ms": 70.0, "device_ms": 60.5,
+                       "by_owner_ms": {"megapack": 1.0, "megatron": 9.0, "torch": 2.0},
+                       "top": [("aten::mm", 20.0)]}]  # fmt: skip
     report.add(Check(name="attention: sdpa", status="passed", detail="worst 1e-7 | fine"),
-               Check(name="sync", status="failed", detail="RuntimeError\n  File x"))  # fmt: skip
+               Check(name="sync", status="failed", detail="RuntimeError\n  File x"),
+               Check(name="attention: auto", status="info", detail="flex"))  # fmt: skip
     data = json.loads((tmp_path / "out" / "gpu-report.json").read_text())
-    assert list(data) == ["device", "torch", "checks", "throughput"]
+    assert list(data) == ["device", "torch", "peak", "checks", "throughput", "profile"]
     assert all(tuple(c) == CHECK_KEYS for c in data["checks"])
     assert all(tuple(t) == THROUGHPUT_KEYS for t in data["throughput"])
     assert data["checks"][1] == {
@@ -169,16 +215,22 @@ def test_report_json_shape_and_markdown(tmp_path: Path) -> None:
         "detail": "RuntimeError\n  File x",
     }
     text = (tmp_path / "out" / "gpu-report.md").read_text()
-    assert text == markdown(data, ["note one"], rows())
-    assert "1 passed, 1 failed, 0 skipped" in text and "note one" in text
+    assert text == markdown(data, ["note one"], report.details)
+    assert "1 passed, 1 failed, 0 skipped, 1 info" in text and "note one" in text
+    assert "bf16 peak: H100 SXM, 989 TFLOP/s" in text
     assert (
         "| attention: sdpa | passed | worst 1e-7 \\| fine |" in text
     )  # a | in a detail is escaped
+    assert ("| openchat, seq 4096 | length-grouped padding, token budget | 20,000 | 18,182 | "
+            "1.10 [1.10, 1.10] | 1.03 | 1.05 | 105% | 420.0 | 400.0 | 40.4% | 52.6% |") in text  # fmt: skip
     assert (
-        "| openchat, seq 4096, vs padded to seq | 70,000 | 30,000 | 2.33 | 2.46 | 95% | 50.0% |"
+        "| packed | 13 | 70.0 | 60.5 | megapack 1.0, megatron 9.0, torch 2.0 | aten::mm 20.00 |"
         in text
     )
-    assert "| 4096 | openchat | padded_fixed | ok | 30,000 | 9.000 | " in text
+    assert (
+        "| 4096 | openchat | padded_fixed | ok | 20,000 | 5.000 | 13 | 262,144 | 100,000 | 1000.0 |"
+        in text
+    )
     assert report.failed == [report.checks[1]]
     with pytest.raises(ValueError, match="status must be one of"):
         Check(name="x", status="ok", detail="")  # type: ignore[arg-type]
@@ -219,3 +271,24 @@ def test_a_step_is_estimated_from_the_same_mode_at_the_shorter_length() -> None:
     # nothing measured for this mode yet: the slowest seconds per slot so far, times the slots
     assert step_estimate(None, 8192, 114_688, per_slot) == pytest.approx(114_688 * 1.392 / 25_194)
     assert step_estimate(None, 4096, 1_000, []) == 0.0  # the first step: nothing to go by
+
+
+# -- the profile -----------------------------------------------------------------------------------
+def test_profile_step_attributes_the_host_time_by_owner() -> None:
+    import torch
+
+    from megapack import PackedBatch
+    from megapack.bench.profile import OWNERS, profile_step
+
+    weight = torch.randn(64, 64, requires_grad=True)
+
+    def step() -> None:  # megapack's code (a batch) and torch's (a matmul and its backward)
+        batch = PackedBatch.from_documents([[1, 2, 3], [4, 5]], seq_len=64)
+        (batch.tokens.float() @ weight).sum().backward()
+
+    out = profile_step(step, torch.device("cpu"))
+    assert out["host_ms"] > 0 and out["device_ms"] is None
+    assert tuple(out["by_owner_ms"]) == OWNERS and out["by_owner_ms"]["megapack"] > 0
+    assert sum(out["by_owner_ms"].values()) <= out["host_ms"] * 1.5  # one thread's time, roughly
+    names = [name for name, _ in out["top"]]
+    assert "aten::mm" in names and all(ms >= 0 for _, ms in out["top"])

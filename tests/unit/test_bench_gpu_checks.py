@@ -27,6 +27,7 @@ from megapack.bench.gpu_checks import (
     check_backend,
     flex_target,
     packed_vs_padded,
+    positive_control,
     reference_attention,
     sync_checks,
 )
@@ -134,11 +135,26 @@ ARMED = {"on": False}
 
 @contextlib.contextmanager
 def stand_in_guard(device: torch.device) -> Iterator[bool]:
+    """Raises where a planted sync or a ``.item()`` runs, as ``set_sync_debug_mode("error")`` does."""
     ARMED["on"] = True
+    real_item = torch.Tensor.item
+
+    def item(self: torch.Tensor) -> Any:
+        planted_sync()
+        return real_item(self)
+
+    torch.Tensor.item = item  # type: ignore[method-assign]
     try:
         yield True
     finally:
+        torch.Tensor.item = real_item  # type: ignore[method-assign]
         ARMED["on"] = False
+
+
+@contextlib.contextmanager
+def blind_guard(device: torch.device) -> Iterator[bool]:
+    """Claims to detect syncs and detects nothing: the positive control must catch it."""
+    yield True
 
 
 def planted_sync() -> None:
@@ -199,14 +215,34 @@ def statuses(checks: list[Any]) -> list[str]:
 
 def test_sync_checks_pass_without_a_planted_sync() -> None:
     checks = sync_checks(TinyLM("nowhere"), batches(), device=CPU, guard=stand_in_guard)
-    assert statuses(checks) == ["passed"] * 3, checks
+    assert statuses(checks) == ["passed"] * 4, checks
+    assert (
+        checks[0].name.startswith("sync: positive control")
+        and checks[0].detail == "the planted .item() raised"
+    )
+
+
+def test_sync_positive_control_fails_a_guard_that_detects_nothing() -> None:
+    control = positive_control(CPU, blind_guard)
+    assert (
+        control.status == "failed"
+        and "did not raise: the sync checks detect nothing" in control.detail
+    )
+    checks = sync_checks(TinyLM("forward"), batches(), device=CPU, guard=blind_guard)
+    assert statuses(checks) == [
+        "failed",
+        "passed",
+        "passed",
+        "passed",
+    ]  # blind: only the control sees it
+    assert positive_control(CPU).status == "skipped"  # the real guard, without CUDA
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_sync_check_reports_a_sync_in_the_model_with_its_stack(where: str) -> None:
     checks = sync_checks(TinyLM(where), batches(), device=CPU, guard=stand_in_guard)
-    assert statuses(checks) == ["passed", "passed", "failed"], checks
-    detail = checks[2].detail
+    assert statuses(checks) == ["passed", "passed", "passed", "failed"], checks
+    detail = checks[3].detail
     assert detail.startswith("RuntimeError: called a synchronizing CUDA operation (planted)")
     assert "in planted_sync" in detail and ("in backward" in detail) == (where == "backward")
 
@@ -217,20 +253,20 @@ def test_sync_check_reports_a_sync_in_the_prefetch_thread(monkeypatch: pytest.Mo
     real_iter = iter
     monkeypatch.setattr(gpu_checks, "iter", lambda x: PlantedIterator(list(x)) if isinstance(x, list) else real_iter(x), raising=False)  # fmt: skip
     checks = sync_checks(TinyLM("nowhere"), batches(), device=CPU, guard=stand_in_guard)
-    assert statuses(checks) == ["failed", "failed", "passed"], checks
-    assert "in __next__" in checks[1].detail and "planted" in checks[1].detail
+    assert statuses(checks) == ["passed", "failed", "failed", "passed"], checks
+    assert "in __next__" in checks[2].detail and "planted" in checks[2].detail
 
 
 def test_sync_checks_are_skipped_without_cuda_but_their_steps_run() -> None:
     checks = sync_checks(TinyLM("forward"), batches(), device=CPU)  # the real guard: CUDA only
-    assert statuses(checks) == ["skipped"] * 3
+    assert statuses(checks) == ["skipped"] * 4
     assert all(c.detail.startswith("needs CUDA") for c in checks)
     broken = sync_checks(TinyLM("nowhere"), batches(), device=CPU)
     broken_model = TinyLM("nowhere")
     broken_model.forward = None  # type: ignore[assignment,method-assign]  # crashes on CPU too
     crashed = sync_checks(broken_model, batches(), device=CPU)
-    assert statuses(broken) == ["skipped"] * 3 and crashed[2].status == "failed"
-    assert crashed[2].detail.startswith("warm-up failed: TypeError")
+    assert statuses(broken) == ["skipped"] * 4 and crashed[3].status == "failed"
+    assert crashed[3].detail.startswith("warm-up failed: TypeError")
     with pytest.raises(ValueError, match="at least 8 micro-batches"):
         sync_checks(TinyLM("nowhere"), batches(7), device=CPU)
 
@@ -255,7 +291,7 @@ def test_attention_timing_times_every_backend_that_trains_here() -> None:
     checks = attention_timing(torch.device("cpu"), torch.float32, lengths=(5, 1, 9), heads=4,
                               groups=2, head_dim=8, repeats=2, warmup=1)  # fmt: skip
     timed, target = checks
-    assert timed.status == "passed"
+    assert timed.status == "info"
     assert timed.name == (
         "attention time: fwd+bwd, one row of 3 documents (15 tokens), 4 heads / 2 groups x 8, float32"
     )

@@ -20,21 +20,23 @@ def test_verdicts() -> None:
     assert verdict(0.89, 0.9, at_most=False) == "0.89, not met"
 
 
-def test_throughput_table_and_the_note_when_padding_needs_fewer_slots() -> None:
+def test_throughput_table_compares_packing_with_each_baseline() -> None:
+    base = {"dataset": "openchat", "config": "openchat", "status": "ok", "tokens": 1000,
+            "useful_flops": 5e9}  # fmt: skip
     rows = [
-        {"dataset": "openchat", "mode": "packed", "tokens_per_s": 16137.2, "efficiency": 0.870,
-         "theoretical_speedup": 1.0, "measured_speedup": 1.0, "documents": 64},
-        {"dataset": "openchat", "mode": "padded_fixed", "tokens_per_s": 13597, "efficiency": 0.761,
-         "theoretical_speedup": 1.14, "measured_speedup": 1.19, "documents": 64},
-        {"dataset": "sft-short", "mode": "padded_longest", "tokens_per_s": 9297, "efficiency": 0.451,
-         "theoretical_speedup": 0.72, "measured_speedup": 0.60, "documents": 24},
+        base | {"mode": "packed", "step_times": [0.1, 0.12], "slots": 1024, "executed_flops": 6e9},
+        base | {"mode": "grouped", "step_times": [0.15, 0.12], "slots": 1200, "executed_flops": 7e9},
+        base | {"mode": "padded_fixed", "step_times": [0.3, 0.3], "slots": 4096, "executed_flops": 2e10},
     ]  # fmt: skip
     text = markdown(results(throughput=rows))
-    assert "| openchat | packed | 16,137 | 87.0% |  |  |  |" in text
-    assert "| openchat | padded_fixed | 13,597 | 76.1% | 1.14 | 1.19 | 1.04, met |" in text
-    assert "| sft-short | padded_longest | 9,297 | 45.1% | 0.72 | 0.60 | 0.83, not met |" in text
-    assert "Note: sft-short padded_longest: packing needs more token slots than padding" in text
-    assert "filler rows" in text and text.count("Note:") == 1
+    # the ratios step by step: 0.15 / 0.10 and 0.12 / 0.12 -> median 1.25 [1.00, 1.50], noisy
+    assert ("| openchat | length-grouped padding, token budget | 9,091 | 7,407 | 1.25 [1.00, 1.50] noisy "
+            "| 1.17 | 1.17 | 54.55 | 51.85 |") in text  # fmt: skip
+    assert (
+        "| openchat | padded to seq | 9,091 | 3,333 | 2.75 [2.50, 3.00] noisy | 4.00 | 3.33 |"
+        in text
+    )
+    assert "met" not in text  # no target on CPU times
 
 
 def test_packing_table_targets() -> None:
@@ -71,7 +73,7 @@ def test_the_readme_shows_the_tables_the_bench_prints() -> None:
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     one = {"dataset": "d", "mode": "packed", "tokens_per_s": 1.0, "efficiency": 1.0,
-           "algorithm": "bfd", "rows": 1, "seconds": 0.1}  # fmt: skip
+           "algorithm": "bfd", "rows": 1, "seconds": 0.1, "config": "d"}  # fmt: skip
     for table in (
         throughput_table([one], SETTINGS),
         packing_table([{**one, "dataset": "openchat"}], SETTINGS),
