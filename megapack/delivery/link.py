@@ -16,7 +16,10 @@ a call from 0.51 to 0.22 ms at tp=2 and from 1.51 to 0.73 ms at tp=4 (2-core CPU
 A peer answers each frame with one byte once it holds its copy. The source sends frame ``i``
 only when every peer acknowledged frame ``i - 1``, so it runs at most one frame ahead and never
 writes shared memory a peer still reads. A frame whose sequence is not the next one (stale or
-replayed) is refused. Failures keep megapack's promises:
+replayed) is refused. A frame a peer holds whole is delivered even if the source is gone before
+the acknowledgement (a source that stops or fails and then exits at once): the stop or the error
+is what the peer returns, and its next call raises, naming the source's exit. Failures keep
+megapack's promises:
 
     a peer crashed or closed        the other side's send/recv fails at once -> CollectiveError
     the source is stuck             a peer's recv passes the timeout         -> CollectiveError
@@ -73,6 +76,8 @@ class LocalLink:
     shared_bytes: int = 0
     _acked: bool = field(default=False, repr=False)
     """Source: every peer has acknowledged the last frame sent."""
+    _gone: str | None = field(default=None, repr=False)
+    """Peer: why acknowledging the last frame failed (the source exited); the next call says so."""
 
     @property
     def is_source(self) -> bool:
@@ -143,9 +148,21 @@ class LocalLink:
         return frame, shared
 
     def receive(self, *, what: str, timeout: float | None) -> np.ndarray:
-        """Peer: the next frame's body as a fresh uint8 array (then acknowledge it)."""
+        """Peer: the next frame's body as a fresh uint8 array (then acknowledge it).
+
+        A frame received whole is returned even when its acknowledgement fails (the source
+        sent it and exited: a stop or an error is its last word); the next call then raises
+        `CollectiveError` saying the source is gone.
+        """
         seconds = comm.collective_timeout(timeout)
         sock = self.peers[self.src]
+        if self._gone is not None:
+            self.close()
+            raise CollectiveError(
+                f"{what} failed on rank {self.rank}: TP source rank {self.src} exited (or closed "
+                f"the local link) after its last frame, which was delivered; acknowledging it "
+                f"failed with {self._gone}. The group is now unusable"
+            )
         deadline = time.monotonic() + seconds
         try:
             prefix, fd = _recv_prefix(sock, deadline)
@@ -171,10 +188,13 @@ class LocalLink:
             elif nbytes:
                 assert self.shared is not None  # mapped at this frame or an earlier one
                 body.data[:] = self.shared.data[:nbytes]  # one memcpy
-            sock.sendall(b"\1")
         except (OSError, EOFError) as exc:
             self._fail(exc, what, seconds, self.src, "receiving from")
         self.sent += 1
+        try:
+            sock.sendall(b"\1")
+        except OSError as exc:  # the frame is whole: deliver it, report the source's exit next call
+            self._gone = f"{type(exc).__name__}: {exc}"
         return body
 
     def close(self) -> None:

@@ -262,7 +262,10 @@ class Prefetcher:
 def _take_data_group(topo: Topology) -> _DataGroup:
     """A free data group (same ranks as the TP group) for a new prefetcher, created when none is free."""
     assert topo.tp_group is not None
-    slots = _data_groups.setdefault(topo.tp_group, [])
+    slots = _data_groups.get(topo.tp_group)
+    if slots is None:
+        slots = _data_groups[topo.tp_group] = []
+        weakref.finalize(topo.tp_group, _release, slots)  # data groups go with their TP group
     for slot in slots:
         if not slot.in_use:
             slot.in_use = True
@@ -271,6 +274,15 @@ def _take_data_group(topo: Topology) -> _DataGroup:
     slot = _DataGroup(group=group, in_use=True)
     slots.append(slot)
     return slot
+
+
+def _release(slots: list[_DataGroup]) -> None:
+    """Destroy a gone TP group's data groups (their sockets and threads), where they still live."""
+    for slot in slots:
+        with contextlib.suppress(Exception):  # already destroyed, or the default group is gone
+            if dist.is_initialized():
+                dist.destroy_process_group(slot.group)
+    slots.clear()
 
 
 def _adopt(batch: dict[str, Any], event: Any) -> None:

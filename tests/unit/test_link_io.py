@@ -469,3 +469,34 @@ def test_an_unsealed_segment_is_refused_in_full(pair: tuple[LocalLink, LocalLink
         "map it"
     )
     assert (peer.shared, peer.shared_bytes, peer.closed) == (None, 0, True)
+
+
+@pytest.mark.parametrize("size", [40, 200_000], ids=["inline", "shared"])
+def test_exit_a_frame_held_whole_is_delivered_when_the_source_is_gone_before_the_ack(
+    pair: tuple[LocalLink, LocalLink], size: int
+) -> None:
+    # The source sends its last frame (a stop, an error) and exits: the peer's acknowledgement
+    # fails, but the frame is whole, so it is returned; the next call names the source's exit.
+    source, peer = pair
+    body = np.arange(size, dtype=np.uint8)
+    source.send([body], what="frame", timeout=30)
+    source.close()  # gone before the peer reads: its ack has nobody to go to
+    assert np.array_equal(peer.receive(what="frame", timeout=30), body)
+    assert not peer.closed  # still usable until the next call reports the exit
+    with pytest.raises(CollectiveError, match=r"TP source rank 0 exited \(or closed the local link\) "
+                                              r"after its last frame, which was delivered; "
+                                              r"acknowledging it failed with BrokenPipeError"):  # fmt: skip
+        peer.receive(what="frame", timeout=30)
+    assert peer.closed
+
+
+def test_exit_a_source_gone_mid_frame_is_an_error_not_a_frame(
+    pair: tuple[LocalLink, LocalLink],
+) -> None:
+    source, peer = pair
+    sock = source.peers[1]
+    sock.sendall(link_module._PREFIX.pack(link_module._MAGIC, 0, 100, link_module._INLINE, 0))
+    sock.sendall(b"x" * 10)  # 10 of the body's 100 bytes, then the source is gone
+    source.close()
+    with pytest.raises(CollectiveError, match="rank 0 closed the link"):
+        peer.receive(what="frame", timeout=30)
