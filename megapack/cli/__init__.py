@@ -31,6 +31,72 @@ from megapack.cli.report import pack_report, plural
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
+    """Pack into ``--out``: written whole in ``<out>.partial/``, renamed at the end, so a failed
+    run leaves no half-written ``--out``; its checkpoints (``--resume``) stay in ``.partial``."""
+    import shutil
+
+    out = Path(args.out)
+    staging = check_out(out, resume=args.resume)
+    try:
+        return _pack(args, out, staging)
+    except BaseException as exc:
+        if not (staging / "progress.json").is_file():  # nothing to resume: nothing is left
+            shutil.rmtree(staging, ignore_errors=True)
+        elif isinstance(exc, ValueError | OSError):
+            raise ValueError(f"{exc} (the pack so far is kept in {staging}/: rerun with --resume "
+                             "to continue it, or remove it)") from exc  # fmt: skip
+        raise
+
+
+def check_out(out: Path, *, resume: bool) -> Path:
+    """``--out`` checked before any work; returns the staging directory ``<out>.partial``."""
+    staging = out.with_name(out.name + ".partial")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory path (a new one)")
+    if (out / "meta.json").is_file():
+        raise ValueError(
+            f"--out {out} already holds a finished pack (meta.json); choose another --out or remove it"
+        )
+    if (
+        out.is_dir() and (out / "progress.json").is_file()
+    ):  # an unfinished pack of an earlier megapack
+        if not resume:
+            raise ValueError(
+                f"--out {out} holds an unfinished pack: pass --resume to continue it, or remove it"
+            )
+        if not staging.exists():
+            out.rename(staging)
+    elif out.is_dir() and any(out.iterdir()):
+        raise ValueError(
+            f"--out {out} is a directory that is not empty; choose a new path or remove it"
+        )
+    if (staging / "progress.json").is_file() and not resume:
+        raise ValueError(f"{staging} holds an unfinished pack of --out {out}: pass --resume to "
+                         "continue it, or remove it to start over")  # fmt: skip
+    return staging
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Every number a command takes, in the flag's own terms, before any input is read."""
+    from megapack.core.cp_pad import cp_pad_multiple
+
+    flags = {"seq_len": "--seq-len", "pad_to_multiple_of": "--pad-multiple", "cp_size": "--cp-size",
+             "checkpoint_every": "--checkpoint-every", "workers": "--workers", "dp": "--dp",
+             "micro_batches": "--micro-batches", "rows_per_micro_batch": "--rows-per-micro-batch"}  # fmt: skip
+    for attr, flag in flags.items():
+        value = getattr(args, attr, None)
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be an integer >= 1, got {value}")
+    if getattr(args, "time_limit", None) is not None and not args.time_limit > 0:
+        raise ValueError(f"--time-limit must be a number of seconds > 0, got {args.time_limit}")
+    multiple = cp_pad_multiple(args.cp_size, args.pad_to_multiple_of)
+    if args.seq_len % multiple:
+        why = f"--pad-multiple {args.pad_to_multiple_of}" if args.cp_size == 1 else (
+            f"lcm(--pad-multiple {args.pad_to_multiple_of}, 2 x --cp-size {args.cp_size})")  # fmt: skip
+        raise ValueError(f"--seq-len {args.seq_len} must be a multiple of {multiple} ({why})")
+
+
+def _pack(args: argparse.Namespace, out: Path, staging: Path) -> int:
     from itertools import islice
 
     from megapack.cli.progress import Progress
@@ -41,15 +107,16 @@ def cmd_pack(args: argparse.Namespace) -> int:
     same = {k: v for k, v in options.items() if k not in ("skip_bad", "workers")}  # may change
     config = {"input": str(Path(args.input).resolve()), "tokenizer": args.tokenizer, **same}
     start = time.perf_counter()
+    reader = open_reader(args, tokenizer, **options)  # a missing input fails here, before a write
     writer = PackWriter(
-        args.out, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, cp_size=args.cp_size,
+        staging, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, cp_size=args.cp_size,
         algorithm=args.algorithm,
         long_docs=args.long_docs, seed=args.seed, pad_token_id=tokenizer.pad_id, config=config,
         resume=args.resume, checkpoint_every=args.checkpoint_every,
     )  # fmt: skip
     record = "fields" in options or is_record_input(args.input)
-    skip = {"skip": writer.rows_done} if record and writer.rows_done else {}
-    reader = open_reader(args, tokenizer, **options, **skip)
+    if writer.rows_done and record:  # the reader again, after the checkpoint's rows
+        reader = open_reader(args, tokenizer, **options, skip=writer.rows_done)
     if writer.rows_done:
         print(
             f"resuming after {writer.rows_done:,} input rows ({writer.documents:,} documents)",
@@ -64,8 +131,13 @@ def cmd_pack(args: argparse.Namespace) -> int:
     source = reader.batches() if hasattr(reader, "batches") else reader  # whole batches: faster
     try:
         meta = writer.write(source, position=position, on_progress=progress.update)
-    finally:
-        progress.close()
+    except BaseException:
+        progress.close(done=False)
+        raise
+    progress.close()
+    if out.is_dir():
+        out.rmdir()  # an empty directory given as --out (check_out refused any other)
+    staging.rename(out)
     stats = getattr(reader, "stats", None)
     note = (
         f"{plural(stats.skipped, 'bad line')} skipped {dict(stats.skipped_by_problem)}"
@@ -225,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return its exit code (2 for bad input or flags, with one line why)."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command in ("pack", "stats"):
+            check_flags(args)
         return int(args.func(args))
     except (ValueError, OSError, ImportError) as exc:  # the user's input, files or environment
         print(f"megapack {args.command}: error: {exc}", file=sys.stderr)

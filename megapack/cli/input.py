@@ -152,19 +152,29 @@ def reader_options(args: argparse.Namespace) -> dict[str, Any]:
     return options | chat_options(args)
 
 
-def read_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
-    """Document lengths of the input (streamed: no document is kept) and a bad-line note."""
+def read_lengths(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, str]:
+    """Document lengths of the input (streamed: no document is kept), the lengths `megapack pack`
+    packs by default (each document longer than ``--seq-len`` as the pieces `split_document` cuts
+    it into, at message boundaries where it can), and a bad-line note."""
+    from megapack.data.split import split_document
+
     options = reader_options(args)
     reader = open_reader(args, tokenizer_from(args.tokenizer, args.eos_token), **options)
-    docs = progress(reader, f"reading {args.input}")
-    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64)
+    lengths: list[int] = []
+    pieces: list[int] = []
+    for doc in progress(reader, f"reading {args.input}"):
+        lengths.append(len(doc))
+        if len(doc) > args.seq_len:
+            pieces += [len(p) for p in split_document(doc, args.seq_len)]
+        else:
+            pieces.append(len(doc))
     stats = getattr(reader, "stats", None)
     note = (
         f"{plural(stats.skipped, 'bad line')} skipped {dict(stats.skipped_by_problem)}"
         if stats and stats.skipped
         else ""
     )
-    return lengths, note
+    return np.array(lengths, dtype=np.int64), np.array(pieces, dtype=np.int64), note
 
 
 SHAPE_FLAGS = ("hidden", "ffn", "layers", "heads", "vocab")

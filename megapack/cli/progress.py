@@ -58,11 +58,12 @@ class Progress:
                 self.last = now
                 self._line(now, final=False)
 
-    def close(self) -> None:
-        """End the bar, or write the last plain line."""
+    def close(self, *, done: bool = True) -> None:
+        """End the bar, or write the last plain line: "done" only when the work is (``done``)."""
         if self._bar is not None:
             self._bar.close()
-        self._line(time.perf_counter(), final=True)
+        if done:  # a failure's one line is the error itself
+            self._line(time.perf_counter(), final=True)
 
     def _line(self, now: float, *, final: bool) -> None:
         elapsed = max(now - self.start, 1e-9)

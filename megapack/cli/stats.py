@@ -22,7 +22,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from megapack.core.cp import cp_pad_multiple
     from megapack.packing import plan
 
-    lengths, note = read_lengths(args)
+    lengths, pieces, note = read_lengths(args)
     multiple = cp_pad_multiple(args.cp_size, args.pad_to_multiple_of)
     if len(lengths) == 0:
         print(f"{args.input}: no documents", file=sys.stderr)
@@ -40,7 +40,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     for lo, hi, n in zip(edges, np.append(edges[1:], lengths.max() + 1), counts, strict=True):
         print(f"  {lo:>7,}-{hi - 1:<7,} {n:>8,} {'#' * int(40 * n / max(counts.max(), 1))}")
     real = int(lengths.sum())
-    planned = -(-lengths // multiple) * multiple  # rows are planned on padded lengths
+    planned = -(-pieces // multiple) * multiple  # pack's rows: long documents split, padded
     if multiple > 1:
         print(f"\ndocuments padded to multiples of {multiple} (cp_size={args.cp_size}, pad multiple "
               f"{args.pad_to_multiple_of}): +{int(planned.sum()) - real:,} tokens ({int(planned.sum()) / real - 1:.2%}); "
@@ -72,16 +72,27 @@ def cmd_stats(args: argparse.Namespace) -> int:
         f"\n{plural(int(long.sum()), 'document')} longer than {plural(args.seq_len, 'token')} "
         f"({plural(int((lengths[long] - args.seq_len).sum()), 'token')} beyond)"
     )
+    whole = -(-lengths // multiple) * multiple
     for policy in (p for p in LONG_DOC_POLICIES if p != "error"):
-        r = plan(planned, args.seq_len, algorithm="bfd", long_docs=policy)
+        # "split" as pack splits: at message boundaries where it can (the table above)
+        r = (
+            results["bfd"]
+            if policy == "split"
+            else plan(whole, args.seq_len, algorithm="bfd", long_docs=policy)
+        )
+        how = (
+            f" (at message boundaries where possible: {plural(len(pieces), 'piece')})"
+            if policy == "split"
+            else ""
+        )
         print(
-            f"  {policy:>8}: {plural(r.truncated_tokens + r.dropped_tokens, 'token')} lost, {plural(r.num_bins, 'row')}"
+            f"  {policy:>8}: {plural(r.truncated_tokens + r.dropped_tokens, 'token')} lost, {plural(r.num_bins, 'row')}{how}"
         )
     if args.plot:
         _plot(lengths, args.seq_len, args.plot)
         print(f"\nplot -> {args.plot}")
     if args.dp is not None or args.micro_batches is not None or _cost_flags(args):
-        figures.update(_balance_report(args, lengths))
+        figures.update(_balance_report(args, pieces))
     if args.json:
         import json
         from pathlib import Path

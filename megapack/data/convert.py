@@ -311,11 +311,14 @@ def _record(row: RawRow) -> Any:
         ) from e
     if row.first:
         text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark some editors write
+    text = text.rstrip("\r\n")  # the line's end is not part of its JSON (nor of a column)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         reason = e.msg.removesuffix(" at")  # json's "Invalid control character at"
-        hint = f"{reason} at column {e.colno}; each line must be one complete JSON object"
+        hint = f"{reason} at column {e.colno} of {len(text)}; each line must be one complete JSON object"
+        if e.pos >= len(text) or reason.startswith("Unterminated"):
+            hint += " (the line ends early: was it cut short?)"
         if row.first and text.lstrip().startswith("["):
             hint += " (this looks like a JSON array: write one element per line instead)"
-        raise BadLineError(row.where, "<line>", "invalid JSON", text.rstrip("\r\n"), hint) from e
+        raise BadLineError(row.where, "<line>", "invalid JSON", text, hint) from e

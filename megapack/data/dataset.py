@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch.distributed as dist
@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from megapack.packing.cost import CostModel
 
 LONG_DOCS = LONG_DOC_POLICIES  # the one list, in megapack.packing.names
+STATE_VERSION = 1
+"""Version of `DatasetIterator.state_dict`."""
 
 
 class PackedDataset:
@@ -178,6 +180,9 @@ class PackedDataset:
                 "`megapack pack`, or pass split_documents='pieces'"
             )
         self._step_fields: tuple[tuple[int, int], list[np.ndarray], np.ndarray] | None = None
+        self._plan = (dp_size, micro_batches)
+        """(dp_size, micro_batches) this epoch's order is planned for; a resumed run keeps its
+        checkpoint's until the epoch ends (`DatasetIterator.load_state_dict`)."""
         self.epoch = 0
         self._order: np.ndarray | None = None  # row order of self.epoch, computed on first use
         rows = int(self.meta["rows"])
@@ -192,8 +197,10 @@ class PackedDataset:
         return int(self.meta["seq_len"])
 
     def set_epoch(self, epoch: int) -> None:
-        """Reshuffle the rows for ``epoch`` (the same order on every rank)."""
+        """Reshuffle the rows for ``epoch`` (the same order on every rank), planned for this
+        dataset's own ``dp_size`` and ``micro_batches``."""
         self.epoch, self._order = epoch, None
+        self._plan = (self.dp_size, self.micro_batches)
 
     def __len__(self) -> int:
         """Micro-batches of this rank: the same on every rank."""
@@ -288,24 +295,58 @@ class PackedDataset:
                 else np.zeros(rows)
             )
             self._order = order_rows(
-                costs, balance=self.balance, dp_size=self.dp_size,
-                micro_batches=self.micro_batches, rows_per_micro_batch=self.rows_per_micro_batch,
+                costs, balance=self.balance, dp_size=self._plan[0],
+                micro_batches=self._plan[1], rows_per_micro_batch=self.rows_per_micro_batch,
                 seed=(int(self.meta["seed"]), self.epoch),
             )  # fmt: skip
         return self._order
 
-    def __iter__(self) -> Iterator[PackedBatch]:
-        return (self[i] for i in range(len(self)))
+    def __iter__(self) -> DatasetIterator:
+        return DatasetIterator(self)
 
     def iterate(
-        self, *, lockstep: bool = False, group: dist.ProcessGroup | None = None
+        self,
+        *,
+        lockstep: bool = False,
+        group: dist.ProcessGroup | None = None,
+        repeat: bool = False,
     ) -> Iterator[PackedBatch]:
-        """This rank's micro-batches in order; with ``lockstep=True``, every rank of ``group`` stops together."""
+        """This rank's micro-batches in order (a resumable `DatasetIterator`; ``repeat``: epoch
+        after epoch); with ``lockstep=True``, every rank of ``group`` stops together."""
+        iterator = DatasetIterator(self, repeat=repeat)
         if not lockstep:
-            return iter(self)
+            return iterator
         from megapack.distributed.sync import lockstep as in_lockstep
 
-        return in_lockstep(self, group=group)
+        return in_lockstep(iterator, group=group)
+
+    def state_for(self, *, consumed_samples: int) -> dict[str, Any]:
+        """The `DatasetIterator` state after ``consumed_samples`` rows over every DP rank and
+        epoch, as Megatron-LM counts them (``args.consumed_train_samples``): every epoch holds
+        ``padded_micro_batches x rows_per_micro_batch`` rows, filler included.
+
+        Example (Megatron-LM's pretrain_gpt, building the train iterator)::
+
+            it = dataset.iterate(repeat=True)
+            it.load_state_dict(dataset.state_for(consumed_samples=args.consumed_train_samples))
+        """
+        check_int("consumed_samples", consumed_samples, minimum=0)
+        rows = self.rows_per_micro_batch
+        if consumed_samples % (rows * self.dp_size * self.micro_batches):
+            raise ValueError(
+                f"consumed_samples={consumed_samples} is not a whole number of global batches of "
+                f"{rows * self.dp_size * self.micro_batches} rows (dp_size {self.dp_size} x "
+                f"micro_batches {self.micro_batches} x rows_per_micro_batch {rows})"
+            )
+        epoch, done = divmod(consumed_samples // rows, self.padded_micro_batches)
+        return {**self._identity(), "epoch": epoch, "index": done // self.dp_size,
+                "dp_size": self.dp_size, "micro_batches": self.micro_batches,
+                "plan": [self.dp_size, self.micro_batches]}  # fmt: skip
+
+    def _identity(self) -> dict[str, Any]:
+        """What a checkpoint's dataset must share with this one to resume it."""
+        return {"version": STATE_VERSION, "rows": int(self.meta["rows"]), "seed": int(self.meta["seed"]),
+                "rows_per_micro_batch": self.rows_per_micro_batch, "balance": self.balance}  # fmt: skip
 
     def _row(self, row: int) -> PackedBatch:
         a = self._arrays
@@ -404,3 +445,90 @@ def _empty_message(documents: Iterable[Document]) -> str:
             "consumed it, call read_documents again, or keep docs = list(read_documents(...)) to reuse"
         )
     return "documents is empty: nothing to pack"
+
+
+class DatasetIterator:
+    """One rank's micro-batches of a `PackedDataset` in order, resumable from a checkpoint.
+
+    ``state_dict()`` says where the next micro-batch is: the epoch, this rank's next index, the
+    DP layout and the (dp_size, micro_batches) this epoch's order was planned for. A new
+    iterator over the same dataset resumes exactly there with ``load_state_dict``: the next
+    micro-batches are bit for bit those the interrupted run would have had. Behind `megapack.prefetch`,
+    checkpoint the prefetcher's ``state_dict()``, which counts the batches *used*, not the ones
+    fetched ahead.
+
+    A different DP size on resume, with the global batch kept (``dp_size x micro_batches`` the
+    same; Megatron keeps it when fewer nodes take over): the checkpoint must be at a step
+    boundary. Then every global step holds the same micro-batches, in the same global positions
+    (global micro-batch ``j`` of the epoch goes to DP rank ``j % dp_size``), so the same documents
+    in the same order within the step; which rank trains which micro-batch changes. The rest of
+    the epoch keeps the checkpoint's plan (with ``balance="compute"`` it is balanced for the old
+    DP size); the next epoch is planned for the new one.
+
+    Args:
+        dataset: the dataset; its epoch is driven by the iterator (``set_epoch`` at each new one).
+        repeat: go on epoch after epoch (Megatron trains for a number of steps); else stop at the
+            end of the dataset's current epoch.
+    """
+
+    def __init__(self, dataset: PackedDataset, *, repeat: bool = False) -> None:
+        self.dataset = dataset
+        self.repeat = repeat
+        self.index = 0
+        """This rank's next micro-batch within the epoch."""
+
+    def __iter__(self) -> DatasetIterator:
+        return self
+
+    def __next__(self) -> PackedBatch:
+        ds = self.dataset
+        if self.index >= len(ds):
+            if not self.repeat:
+                raise StopIteration
+            ds.set_epoch(ds.epoch + 1)
+            self.index = 0
+        batch = ds[self.index]
+        self.index += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next micro-batch is (plain ints: JSON- and torch.save-friendly)."""
+        ds = self.dataset
+        return {**ds._identity(), "epoch": ds.epoch, "index": self.index, "dp_size": ds.dp_size,
+                "micro_batches": ds.micro_batches, "plan": list(ds._plan)}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state`` (`state_dict`'s, from any DP rank of the checkpointed run).
+
+        Raises:
+            ValueError: a state of another dataset (rows, seed, rows per micro-batch, balance,
+                version), another global batch, or a change of DP size away from a step boundary,
+                naming the setting and both values.
+        """
+        ds = self.dataset
+        for key, mine in ds._identity().items():
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"cannot resume: the checkpoint's dataset has {key}={state.get(key)!r}, this "
+                    f"one has {key}={mine!r}"
+                )
+        old_dp, old_m = int(state["dp_size"]), int(state["micro_batches"])
+        if old_dp * old_m != ds.dp_size * ds.micro_batches:
+            raise ValueError(
+                f"cannot resume: the checkpoint's global batch is dp_size {old_dp} x micro_batches "
+                f"{old_m} = {old_dp * old_m} micro-batches, this run's {ds.dp_size} x "
+                f"{ds.micro_batches} = {ds.dp_size * ds.micro_batches}; keep the global batch"
+            )
+        index = int(state["index"])
+        if (old_dp, old_m) != (ds.dp_size, ds.micro_batches):
+            if index % old_m:
+                raise ValueError(
+                    f"cannot resume on dp_size {ds.dp_size}: the checkpoint (dp_size {old_dp}) was "
+                    f"taken after {index % old_m} of a step's {old_m} micro-batches; change the DP "
+                    "size only at a step boundary"
+                )
+            index = index // old_m * ds.micro_batches
+        ds.set_epoch(int(state["epoch"]))
+        ds._plan = (int(state["plan"][0]), int(state["plan"][1]))  # the epoch's order as planned
+        ds._order = None
+        self.index = index

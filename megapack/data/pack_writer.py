@@ -193,8 +193,11 @@ class PackWriter:
         seen = since = 0
         start = self.rows_done
         seq_len, split = self.settings["seq_len"], self.settings["long_docs"] == "split"
+        refuse = self.settings["long_docs"] == "error"
         try:
             for item in documents:
+                if refuse:
+                    _refuse_long(item, seq_len)
                 if isinstance(item, DocumentBatch):
                     count = self._append_batch(item, seq_len if split else 0)
                 else:
@@ -297,6 +300,24 @@ class PackWriter:
         for leftover in ("progress.json", "lengths.partial", "origins.partial"):
             (self.out / leftover).unlink(missing_ok=True)
         return meta
+
+
+def _refuse_long(item: Document | DocumentBatch, seq_len: int) -> None:
+    """``long_docs="error"``: the first document longer than ``seq_len``, named by its source."""
+    if isinstance(item, DocumentBatch):
+        lengths = np.diff(item.offsets)
+        long = np.flatnonzero(lengths > seq_len)
+        if not len(long):
+            return
+        where, n = item.sources[int(long[0])], int(lengths[long[0]])
+    elif len(item) > seq_len:
+        where, n = item.source, len(item)
+    else:
+        return
+    raise ValueError(
+        f"{where}: a document of {n:,} tokens is longer than seq_len={seq_len:,} (--seq-len), and "
+        "long_docs='error' refuses it: use --long-docs split, truncate or drop"
+    )
 
 
 def _write_header(path: Path, dtype: np.dtype[Any], count: int) -> None:

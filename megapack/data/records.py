@@ -79,7 +79,8 @@ class BadLineError(ValueError):
     """A JSONL line that cannot become a document.
 
     The message reads ``"data.jsonl:17: field 'messages[1].role': unknown role, got 'robot'.
-    Hint: ..."``; the parts are kept as attributes for counting and logging.
+    Hint: ..."`` (``"data.jsonl:17: the line: invalid JSON, ..."`` for the line itself); the
+    parts are kept as attributes for counting and logging.
     """
 
     def __init__(self, where: str, field: str, problem: str, value: Any, hint: str) -> None:
@@ -94,7 +95,8 @@ class BadLineError(ValueError):
         """The offending value (the raw line for invalid JSON)."""
         self.hint = hint
         """How to fix it."""
-        super().__init__(f"{where}: field {field!r}: {problem}, got {shorten(value)}. Hint: {hint}")
+        what = "the line" if field == "<line>" else f"field {field!r}"
+        super().__init__(f"{where}: {what}: {problem}, got {shorten(value)}. Hint: {hint}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle with the parts (worker processes send bad rows back)."""

@@ -42,7 +42,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -80,12 +80,12 @@ def prefetch(
     depth: int = 1,
     timeout: float | None = None,
     nice: int = 10,
+    state: Callable[[], Any] | None = None,
     **options: Any,
 ) -> Prefetcher:
     """Start prefetching ``depth`` micro-batches ahead; see `Prefetcher` and the module docstring."""
-    return Prefetcher(
-        data_iterator, topology=topology, depth=depth, timeout=timeout, nice=nice, **options
-    )
+    return Prefetcher(data_iterator, topology=topology, depth=depth, timeout=timeout, nice=nice,
+                      state=state, **options)  # fmt: skip
 
 
 class Prefetcher:
@@ -98,11 +98,20 @@ class Prefetcher:
         timeout: seconds a collective waits for a peer (default: $MEGAPACK_TIMEOUT_S or 300).
         nice: how much lower the thread's CPU priority is than the caller's, 0-19 (Linux; default
             10, so that waking it never preempts the training loop's thread; 0: the same).
+        state: what `state_dict` reports of the data position, read right after each fetch
+            (default: ``data_iterator.state_dict`` where it has one, e.g. a
+            `megapack.data.DatasetIterator`; pass ``packer.state_dict`` for a StreamingPacker fed
+            through a generator).
         **options: passed on to every `get_batch_on_this_tp_rank` call (``cp_layout``,
             ``sequence_parallel``, ``packed``, ``fields``).
 
     Every rank of the TP group must create it at the same point (the first prefetcher of a TP
     group creates its data group, collectively over the TP ranks) and close it at the same point.
+
+    Resume: ``state_dict()`` counts the batches ``next()`` returned (used), not those fetched
+    ahead, and gives the data position as of the last one used (``state`` read after that
+    batch's fetch): checkpoint it, and on restart load ``state_dict()["iterator"]`` into a new
+    iterator before prefetching from it again.
     """
 
     def __init__(
@@ -113,6 +122,7 @@ class Prefetcher:
         depth: int = 1,
         timeout: float | None = None,
         nice: int = 10,
+        state: Callable[[], Any] | None = None,
         **options: Any,
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
@@ -133,6 +143,9 @@ class Prefetcher:
         topo = topology if topology is not None else Topology.from_parallel_state()
         self._timeout = comm.collective_timeout(timeout)
         self._iterator = data_iterator
+        self._state = state if state is not None else getattr(data_iterator, "state_dict", None)
+        self._used = 0
+        self._position = self._state() if self._state is not None else None
         self._options = options
         self._slot: _DataGroup | None = None
         self._control: dist.ProcessGroup | None = None
@@ -148,7 +161,7 @@ class Prefetcher:
         self._slots: queue.SimpleQueue[None] = queue.SimpleQueue()
         for _ in range(depth):
             self._slots.put(None)
-        self._items: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        self._items: queue.SimpleQueue[tuple[str, Any, Any, Any]] = queue.SimpleQueue()
         self._closing = threading.Event()
         self._finished: BaseException | None = None  # raised again by every later next()
         self._thread = threading.Thread(target=self._run, name="megapack-prefetch", daemon=True)
@@ -160,7 +173,10 @@ class Prefetcher:
     def __next__(self) -> dict[str, Any]:
         if self._finished is not None:
             raise self._finished
-        kind, value, event = self._take()
+        kind, value, event, position = self._take()
+        if kind in ("batch", "error"):  # a failed batch is used too: it raises in its place
+            self._used += 1
+            self._position = position
         if kind == "batch":
             self._slots.put(None)
             if event is not None:
@@ -171,6 +187,11 @@ class Prefetcher:
             raise value
         self._finished = StopIteration() if kind == "stop" else value
         raise self._finished
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"used": batches next() returned, "iterator": the data position after the last of
+        them}`` (None on a rank without an iterator, or without ``state``)."""
+        return {"used": self._used, "iterator": self._position}
 
     def __enter__(self) -> Prefetcher:
         return self
@@ -209,7 +230,7 @@ class Prefetcher:
                 if not self._agree(step):
                     return
             except BaseException as exc:  # the agreement's collective failed
-                self._items.put(("fatal", exc, None))
+                self._items.put(("fatal", exc, None, None))
                 return
             try:
                 with torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext():
@@ -220,16 +241,20 @@ class Prefetcher:
                     if self._stream is not None:
                         event = torch.cuda.Event()
                         event.record(self._stream)
-                self._items.put(("batch", batch, event))
+                self._items.put(("batch", batch, event, self._snapshot()))
             except StopIteration:
-                self._items.put(("stop", None, None))
+                self._items.put(("stop", None, None, None))
                 return
             except _FATAL as exc:
-                self._items.put(("fatal", exc, None))
+                self._items.put(("fatal", exc, None, None))
                 return
             except BaseException as exc:  # a data error: the protocol stayed in step, go on
-                self._items.put(("error", exc, None))
+                self._items.put(("error", exc, None, self._snapshot()))
             step += 1
+
+    def _snapshot(self) -> Any:
+        """The data position right after a fetch (in the thread: it alone moves the iterator)."""
+        return self._state() if self._state is not None else None
 
     def _agree(self, step: int) -> bool:
         """True when every TP rank's thread goes on to transfer batch ``step`` (one CPU all-gather)."""
@@ -243,10 +268,10 @@ class Prefetcher:
         if not closed:
             return True
         if going:  # a peer closed while this rank still wants batches: tell this rank's caller
-            self._items.put(("fatal", _closed_by(closed, step), None))
+            self._items.put(("fatal", _closed_by(closed, step), None, None))
         return False
 
-    def _take(self) -> tuple[str, Any, Any]:
+    def _take(self) -> tuple[str, Any, Any, Any]:
         while True:
             try:
                 return self._items.get(timeout=1.0)
@@ -255,6 +280,7 @@ class Prefetcher:
                     return (
                         "fatal",
                         RuntimeError("megapack prefetch thread ended unexpectedly"),
+                        None,
                         None,
                     )
 

@@ -180,8 +180,9 @@ def test_long_document_error_names_the_cli_flag(tmp_path: Path, capsys: Capture)
     src = jsonl(tmp_path / "d.jsonl", ["x" * 100])
     assert main(["pack", src, "--seq-len", "32", "--out", str(tmp_path / "p"), "--long-docs", "error"]) == 2  # fmt: skip
     line = one_line_error(capsys.readouterr().err, "pack")
-    assert "document 0 has 101 tokens, more than capacity=32" in line
+    assert f"{src}:1: a document of 101 tokens is longer than seq_len=32 (--seq-len)" in line
     assert "--long-docs split" in line
+    assert not (tmp_path / "p").exists() and not (tmp_path / "p.partial").exists()  # nothing left
 
 
 def test_invalid_json_hint_reads_well(tmp_path: Path, capsys: Capture) -> None:
@@ -252,3 +253,84 @@ def test_cli_report_docstring_example() -> None:
 
     result = doctest.testmod(report)
     assert result.failed == 0 and result.attempted > 0
+
+
+# -- nothing lost on bad input (issue 33) ------------------------------------------------------------
+def chats(path: Path, count: int = 301, cut: int | None = 100, long_every: int = 43) -> str:
+    """Chat records as a new user's file: one line cut short, some longer than a 1,024 row."""
+    rng = np.random.default_rng(7)
+    lines = []
+    for i in range(count):
+        words = 2000 if i % long_every == 5 else int(rng.integers(5, 60))
+        lines.append(json.dumps({"messages": [{"role": "user", "content": "hi " * int(rng.integers(1, 20))},
+                                              {"role": "assistant", "content": "ok " * words}]}))  # fmt: skip
+    if cut is not None:
+        lines[cut] = lines[cut][:90]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_cli_failed_pack_says_no_done_and_leaves_no_out(tmp_path: Path, capsys: Capture) -> None:
+    src, out = chats(tmp_path / "sft.jsonl"), tmp_path / "packed"
+    assert main(["pack", src, "--seq-len", "1024", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    line = one_line_error(err, "pack")
+    assert "done" not in err  # never "done" before it is
+    assert line.startswith(f"megapack pack: error: {src}:101: the line: invalid JSON, got '")
+    assert re.search(r"Unterminated string starting at column \d+ of 90; .* cut short\?", line), (
+        line
+    )
+    assert "field '<line>'" not in line and "column 1 " not in line
+    assert not out.exists() and not (tmp_path / "packed.partial").exists()
+    assert (
+        main(["pack", str(tmp_path / "missing.jsonl"), "--seq-len", "1024", "--out", str(out)]) == 2
+    )
+    assert "missing.jsonl: no such JSONL file" in one_line_error(capsys.readouterr().err, "pack")
+    assert not out.exists() and not (tmp_path / "packed.partial").exists()
+
+
+def test_cli_flags_are_checked_before_any_work(tmp_path: Path, capsys: Capture) -> None:
+    src = chats(tmp_path / "sft.jsonl", cut=None)
+    for argv, message in (
+        (["stats", src, "--seq-len", "0"], "--seq-len must be an integer >= 1, got 0"),
+        (["pack", src, "--seq-len", "-4", "--out", "o"], "--seq-len must be an integer >= 1, got -4"),
+        (["pack", src, "--seq-len", "100", "--pad-multiple", "8", "--out", "o"],
+         "--seq-len 100 must be a multiple of 8 (--pad-multiple 8)"),
+        (["stats", src, "--seq-len", "64", "--time-limit", "0"], "--time-limit must be a number of seconds > 0"),
+        (["stats", src, "--seq-len", "64", "--dp", "0"], "--dp must be an integer >= 1, got 0"),
+    ):  # fmt: skip
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert captured.out == "" and message in one_line_error(
+            captured.err, argv[0]
+        )  # no histogram
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    assert main(["pack", src, "--seq-len", "1024", "--out", str(afile)]) == 2
+    assert f"--out {afile} is a file" in one_line_error(capsys.readouterr().err, "pack")
+    assert afile.read_text() == "mine"
+
+
+def test_cli_stats_predicts_the_rows_pack_makes(tmp_path: Path, capsys: Capture) -> None:
+    src = chats(tmp_path / "sft.jsonl", cut=None)
+    assert main(["stats", src, "--seq-len", "1024", "--json", str(tmp_path / "s.json")]) == 0
+    predicted = json.loads((tmp_path / "s.json").read_text())["rows_bfd"]
+    assert "at message boundaries where possible" in capsys.readouterr().out
+    assert main(["pack", src, "--seq-len", "1024", "--out", str(tmp_path / "p")]) == 0
+    meta = json.loads((tmp_path / "p" / "meta.json").read_text())
+    assert meta["rows"] == predicted and meta["split_documents"] == 7
+
+
+def test_cli_a_failure_after_a_checkpoint_keeps_it_for_resume(
+    tmp_path: Path, capsys: Capture
+) -> None:
+    src, out = chats(tmp_path / "sft.jsonl", count=301, cut=250), tmp_path / "packed"
+    argv = ["pack", src, "--seq-len", "1024", "--out", str(out), "--checkpoint-every", "100"]
+    assert main(argv) == 2
+    line = one_line_error(capsys.readouterr().err, "pack")
+    assert f"{src}:251" in line and f"kept in {out}.partial/: rerun with --resume" in line
+    assert not out.exists() and (tmp_path / "packed.partial" / "progress.json").is_file()
+    assert main(argv) == 2  # not again from scratch over it
+    assert "holds an unfinished pack" in one_line_error(capsys.readouterr().err, "pack")
+    assert main([*argv, "--resume", "--skip-bad"]) == 0
+    assert (out / "meta.json").is_file() and not (tmp_path / "packed.partial").exists()

@@ -305,7 +305,22 @@ def loss_modes(ns: dict[str, Any], run: Callable[[], None]) -> None:
     assert len(loss_func(output)) == 3  # (sum, count, report) for the per-token path
 
 
+def resume_recipe(ns: dict[str, Any], run: Callable[[], None]) -> None:
+    from megapack.data import PackedDataset, read_documents
+
+    packed = PackedDataset(list(read_documents("sft.jsonl")), seq_len=64)
+    packed.save("packed/")
+    step = 2 * 1 * 2  # rows x dp x micro-batches: one global batch of rows
+    ns.update(PackedDataset=PackedDataset, dp_rank=0, dp_size=1, num_microbatches=2,
+              args=SimpleNamespace(consumed_train_samples=step))  # fmt: skip
+    run()
+    first = next(ns["data_iterator"])
+    reference = PackedDataset.load("packed/", rows_per_micro_batch=2, micro_batches=2)
+    assert torch.equal(first.tokens, reference[2].tokens)  # the third micro-batch: after one step
+
+
 HARNESSES: dict[str, Callable[[dict[str, Any], Callable[[], None]], None]] = {
+    "state_for(consumed_samples=": resume_recipe,
     "loss_fields=True)": loss_modes,
     "RL_FIELDS = (": rl_fields,
     "# Every rank of the TP group calls this once per micro-step": pretrain_get_batch,

@@ -179,7 +179,8 @@ def test_every_bad_line_names_file_line_field_value(
     with pytest.raises(BadLineError) as info:
         next(reader)
     message = str(info.value)
-    assert message.startswith(f"{path}:3: field {field!r}: {problem}, got "), message
+    what = "the line" if field == "<line>" else f"field {field!r}"
+    assert message.startswith(f"{path}:3: {what}: {problem}, got "), message
     assert fragment in message and "Hint: " in message
     assert isinstance(info.value, ValueError) and info.value.problem == problem
 
@@ -194,9 +195,7 @@ def test_long_values_are_truncated_in_messages(tmp_path: Path) -> None:
 def test_invalid_utf8_and_json_array_hints(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
-    with pytest.raises(
-        BadLineError, match=r"bad.jsonl:2: field '<line>': invalid UTF-8, .* offset 10 "
-    ):
+    with pytest.raises(BadLineError, match=r"bad.jsonl:2: the line: invalid UTF-8, .* offset 10 "):
         list(read_jsonl(path))
     array = tmp_path / "array.json"
     array.write_text('[\n{"text": "a"}\n]\n')
