@@ -25,8 +25,10 @@ if TYPE_CHECKING:
     )
     from megapack.core.fields import BUILTIN_FIELDS, BatchField, Stage
     from megapack.core.loss_fields import LOSS_FIELDS, LOSS_MODES
+    from megapack.core.static import StaticShape
     from megapack.data.loss_steps import with_loss_fields
     from megapack.delivery.get_batch import get_batch_on_this_tp_rank
+    from megapack.delivery.graph import GraphInputs
     from megapack.delivery.prefetch import Prefetcher, prefetch
     from megapack.distributed.comm import long_operation
     from megapack.distributed.sync import check_in_sync, lockstep
@@ -38,6 +40,7 @@ _EXPORTS = {
     "BatchField": "megapack.core.fields",
     "CollectiveError": "megapack.core.errors",
     "DesyncError": "megapack.core.errors",
+    "GraphInputs": "megapack.delivery.graph",
     "LOSS_FIELDS": "megapack.core.loss_fields",
     "LOSS_MODES": "megapack.core.loss_fields",
     "PackedBatch": "megapack.core.batch",
@@ -46,6 +49,7 @@ _EXPORTS = {
     "RemoteDataError": "megapack.core.errors",
     "RemoteRankError": "megapack.core.errors",
     "Stage": "megapack.core.fields",
+    "StaticShape": "megapack.core.static",
     "Topology": "megapack.distributed.topology",
     "align_by_kind": "megapack.packing.align",
     "check_in_sync": "megapack.distributed.sync",
@@ -64,12 +68,14 @@ __all__ = [
     "BatchField",
     "CollectiveError",
     "DesyncError",
+    "GraphInputs",
     "PackedBatch",
     "Prefetcher",
     "ProtocolError",
     "RemoteDataError",
     "RemoteRankError",
     "Stage",
+    "StaticShape",
     "Topology",
     "align_by_kind",
     "check_in_sync",

@@ -7,7 +7,8 @@ turns any exception escaping one into a failed check, so a broken backend never 
     `megapack.attention.packed_attention`, forward and backward, against a float64 reference (one
     dense causal softmax per document, grouped-query heads repeated) on fresh random inputs:
     1-token documents beside documents of ``max_len``, the same documents each padded to a
-    multiple of 8 (``cu_seqlens_padded``), and one document filling a whole row. Passes when the
+    multiple of 8 (``cu_seqlens_padded``), one document filling a whole row, and static shapes
+    (zero-length documents after the real ones, boundaries repeating the final offset). Passes when the
     relative L2 errors ``|x - ref| / |ref|`` of the output and of dq, dk, dv are within
     `ATTENTION_TOLERANCE` for the dtype, nothing is NaN or infinite, and the output and all three
     gradients are exactly 0 at alignment padding. A backend that cannot run here is skipped with
@@ -76,6 +77,8 @@ def attention_cases(max_len: int) -> list[tuple[str, list[int], int]]:
         (f"1-token and {max_len}-token documents", mixed, 1),
         (f"1-token and {max_len}-token documents, each padded to a multiple of {PAD_MULTIPLE}", mixed, PAD_MULTIPLE),
         (f"one {max_len}-token document filling the row", [max_len], 1),
+        (f"a static shape: {len(mixed)} documents and 4 zero-length ones after them", [*mixed, 0, 0, 0, 0], 1),
+        (f"a static shape, padded to a multiple of {PAD_MULTIPLE}, 4 zero-length documents", [*mixed, 0, 0, 0, 0], PAD_MULTIPLE),
     ]  # fmt: skip
 
 

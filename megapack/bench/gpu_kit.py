@@ -15,7 +15,9 @@ tp = pp = 1), in this order:
 6. the bf16 matmul rate (8,192^3), then throughput: packing against every baseline of
    `megapack.bench.layouts` (`megapack.bench.gpu`, summarized by `megapack.bench.baselines`),
    MFU against the device's bf16 peak (`megapack.bench.devices`);
-7. one profiled step per mode (`megapack.bench.profile`), then the targets.
+7. one profiled step per mode (`megapack.bench.profile`);
+8. a captured training step (`megapack.bench.gpu_graph`): static-shape packs replayed by one CUDA
+   graph on the kit's model and on a launch-bound one; then the targets.
 
 Every step's exception becomes a failed check and the next step runs; the report
 (`megapack.bench.gpu_report`) is rewritten after each. Exit status: 0 when nothing failed, 3 when a
@@ -61,6 +63,7 @@ from megapack.bench.gpu_checks import (
     step_sync_checks,
     sync_checks,
 )
+from megapack.bench.gpu_graph import REPLAY_TARGET
 from megapack.bench.gpu_model import PRESET, TOY, GptShape, build_gpt, matmul_ceiling
 from megapack.bench.gpu_report import Check, Report, Status
 from megapack.bench.report import environment
@@ -164,6 +167,7 @@ def run_kit(out: Path, *, dry_run: bool, sizes: KitSizes | None = None, seed: in
     step("sync", lambda: _syncs(sizes, device, state, mixes["openchat"], seq, seed))
     step("throughput", lambda: _throughput(sizes, device, state, mixes, report, start, seed, peak))
     step("profile", lambda: _profile(sizes, device, state, mixes["openchat"], report, seed))
+    step("graph", lambda: _graph(sizes, device, state, mixes["openchat"], seed))
     on_preset = cuda and sizes.shape == PRESET
     why_not = f"the targets apply on a GPU at the preset size; this run: {device.type}, {_shape(sizes.shape)}"
     step("targets", lambda: target_checks(report.throughput, state.get("sync", []), seq_len=seq,
@@ -346,6 +350,40 @@ def _profile(sizes: KitSizes, device: torch.device, state: dict[str, Any], lengt
     summary = ", ".join(f"{p['mode']} {p['host_ms']:.0f} ms" for p in report.profile)
     return [Check(name=f"profile: one step per mode (openchat, seq {seq_len})", status="info",
                   detail=f"host time {summary}; see the report's profile table")]  # fmt: skip
+
+
+def _graph(sizes: KitSizes, device: torch.device, state: dict[str, Any], lengths: list[int],
+           seed: int) -> list[Check]:  # fmt: skip
+    """The captured step (`megapack.bench.gpu_graph`): the cap from OpenChat, then the kit's model
+    (reported) and a launch-bound one (the target) replayed over static packs."""
+    import numpy as np
+
+    from megapack.bench.gpu_graph import LAUNCH_BOUND, cap_check, graph_step_check
+
+    seq_len, rows = sizes.throughput.seq_lens[0], sizes.throughput.rows
+    scale = sizes.throughput.length_scale
+    openchat = [max(1, round(n * scale)) for n in _openchat()]
+    check, cap = cap_check(openchat, seq_len, rows)
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(1, sizes.shape.vocab_size, n) for n in lengths]
+    checks = [check]
+    checks += graph_step_check(state["model"], sizes.shape, docs, device=device, dtype=sizes.dtype,
+                               seq_len=seq_len, rows=rows, cap=cap, label=_shape(sizes.shape), target=None)  # fmt: skip
+    small_shape, small_seq = (
+        (LAUNCH_BOUND, 1024) if sizes.shape == PRESET else (sizes.shape, seq_len // 2)
+    )
+    small = build_gpt(small_shape, device=device, dtype=sizes.dtype, max_sequence_length=small_seq)
+    try:
+        short = [d[: small_seq // 2] for d in docs]
+        _, small_cap = cap_check([len(d) for d in short], small_seq, rows)
+        checks += graph_step_check(small, small_shape, short, device=device, dtype=sizes.dtype,
+                                   seq_len=small_seq, rows=rows, cap=small_cap,
+                                   label=f"launch-bound {_shape(small_shape)}", target=REPLAY_TARGET)  # fmt: skip
+    finally:
+        del small
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return checks
 
 
 def _auto(device: torch.device, dtype: torch.dtype) -> str:

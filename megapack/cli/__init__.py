@@ -82,7 +82,8 @@ def check_flags(args: argparse.Namespace) -> None:
 
     flags = {"seq_len": "--seq-len", "pad_to_multiple_of": "--pad-multiple", "cp_size": "--cp-size",
              "checkpoint_every": "--checkpoint-every", "workers": "--workers", "dp": "--dp",
-             "micro_batches": "--micro-batches", "rows_per_micro_batch": "--rows-per-micro-batch"}  # fmt: skip
+             "micro_batches": "--micro-batches", "rows_per_micro_batch": "--rows-per-micro-batch",
+             "max_documents": "--max-documents"}  # fmt: skip
     for attr, flag in flags.items():
         value = getattr(args, attr, None)
         if value is not None and value < 1:
@@ -112,7 +113,7 @@ def _pack(args: argparse.Namespace, out: Path, staging: Path) -> int:
         staging, args.seq_len, pad_to_multiple_of=args.pad_to_multiple_of, cp_size=args.cp_size,
         algorithm=args.algorithm,
         long_docs=args.long_docs, seed=args.seed, pad_token_id=tokenizer.pad_id, config=config,
-        resume=args.resume, checkpoint_every=args.checkpoint_every,
+        resume=args.resume, checkpoint_every=args.checkpoint_every, max_documents=args.max_documents,
     )  # fmt: skip
     record = "fields" in options or is_record_input(args.input)
     if writer.rows_done and record:  # the reader again, after the checkpoint's rows
@@ -242,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument(
         "--seed", type=int, default=0, help="seeds the packer and the per-epoch row shuffle"
     )
+    pack.add_argument(
+        "--max-documents", type=int, metavar="N",
+        help="at most N documents (or pieces) a row, for static shapes a CUDA graph replays "
+        "(megapack stats suggests N)",
+    )  # fmt: skip
     pack.add_argument(
         "--resume",
         action="store_true",

@@ -67,6 +67,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     # every real token is packed ("split"): the bound's efficiency counts all of them, never a
     # length clipped at seq_len (which once printed "<= 38.84%", below what bfd achieved)
     print(f"| lower bound | {bound:,} | <= {real / (bound * args.seq_len):.2%} | |")
+    figures.update(_suggest_cap(results["bfd"], planned, real, args))
     long = lengths > args.seq_len
     print(
         f"\n{plural(int(long.sum()), 'document')} longer than {plural(args.seq_len, 'token')} "
@@ -101,6 +102,29 @@ def cmd_stats(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
         print(f"\nJSON -> {args.json}")
     return 0
+
+
+CAP_SHARE = 0.99
+"""The suggested --max-documents keeps at least this share of the plan's rows as they are."""
+
+
+def _suggest_cap(
+    result: Any, planned: np.ndarray, real: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The smallest documents-per-row cap that keeps `CAP_SHARE` of bfd's rows, and what it costs."""
+    from megapack.packing import plan
+
+    per_row = np.diff(result.bin_offsets)
+    cap = int(np.quantile(per_row, CAP_SHARE, method="higher"))
+    capped = plan(planned, args.seq_len, algorithm="bfd", max_documents=cap)
+    kept = float((per_row <= cap).mean())
+    efficiency = _real_efficiency(capped, real, planned, args.seq_len)
+    print(f"\nstatic shapes (CUDA graphs): --max-documents {cap} keeps {kept:.2%} of the rows as they "
+          f"are; capped: {plural(capped.num_bins, 'row')} (+{capped.num_bins - result.num_bins:,}), "
+          f"{efficiency:.2%} efficiency; a micro-batch of R rows then has at most R x {cap + 1} "
+          "segments (megapack.core.static.segments_for)")  # fmt: skip
+    return {"suggested_max_documents": cap, "rows_at_suggested_cap": capped.num_bins,
+            "rows_kept_at_suggested_cap": kept}  # fmt: skip
 
 
 def _cost_flags(args: argparse.Namespace) -> list[str]:

@@ -338,10 +338,20 @@ def _check_cu(name: str, cu: Any) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"{name} must start at 0 and hold >= 2 entries, got {values[:8].tolist()}")
     lengths = values[1:] - values[:-1]
     if lengths.min() <= 0:
-        i = int(np.flatnonzero(lengths <= 0)[0]) + 1
-        raise ValueError(
-            f"{name} is not strictly increasing: {values[i]} follows {values[i - 1]} at index {i}"
-        )
+        # Static shapes pad the boundaries with their final offset: zero-length documents at the
+        # end only (`pad_static`). A zero-length document before a real one, or a step back, is
+        # an error.
+        real = np.flatnonzero(lengths > 0)
+        last = int(real[-1]) if len(real) else -1
+        bad = np.flatnonzero(lengths[: last + 1] <= 0)
+        if len(bad) or lengths.min() < 0 or last < 0:
+            i = int(bad[0] if len(bad) else np.flatnonzero(lengths <= 0)[0]) + 1
+            repeat = values[i] == values[i - 1]
+            raise ValueError(
+                f"{name} is not strictly increasing: {values[i]} follows {values[i - 1]} at index {i}"
+                + (" (only trailing entries may repeat the final offset: zero-length documents "
+                   "that pad a static shape)" if repeat else "")
+            )
     return values, lengths
 
 

@@ -83,6 +83,9 @@ class PackedDataset:
             ``micro_batches`` and ``dp_size`` must then be the trainer's.
         split_documents: with ``loss_fields``, "whole" (the pieces of a split document in one
             step are one document) or "pieces" (each piece a document).
+        max_documents: at most this many documents (or pieces) a row, for static shapes
+            (`megapack.StaticShape`, `megapack.core.static.segments_for`); ``megapack stats``
+            suggests one.
 
     Example:
         >>> ds = PackedDataset(docs, seq_len=4096, rows_per_micro_batch=2, dp_rank=r, dp_size=8)  # doctest: +SKIP
@@ -108,6 +111,7 @@ class PackedDataset:
         cost: CostModel | None = None,
         loss_fields: bool = False,
         split_documents: str = "whole",
+        max_documents: int | None = None,
     ) -> None:
         multiple = check_layout(seq_len, pad_to_multiple_of, cp_size, long_docs)
         docs = list(documents)
@@ -123,7 +127,7 @@ class PackedDataset:
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
         layout, self.meta = plan_layout(
             lengths, seq_len, multiple=multiple, cp_size=cp_size, algorithm=algorithm,
-            long_docs=long_docs, seed=seed, pad_token_id=pad_token_id,
+            long_docs=long_docs, seed=seed, pad_token_id=pad_token_id, max_documents=max_documents,
         )  # fmt: skip
         self.meta.update(counts)  # what `megapack pack` reports: inputs, and how many were split
         self._arrays = {

@@ -58,9 +58,10 @@ def check_layout(seq_len: int, pad_to_multiple_of: int, cp_size: int, long_docs:
 
 def plan_layout(
     lengths: np.ndarray, seq_len: int, *, multiple: int, cp_size: int, algorithm: str,
-    long_docs: str, seed: int, pad_token_id: int,
+    long_docs: str, seed: int, pad_token_id: int, max_documents: int | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:  # fmt: skip
-    """Plan rows for documents of ``lengths`` (already split when ``long_docs="split"``).
+    """Plan rows for documents of ``lengths`` (already split when ``long_docs="split"``), at most
+    ``max_documents`` a row when given (static shapes: `megapack.core.static`).
 
     Returns:
         ``({"doc_offsets", "slices", "bin_offsets"}, meta)``; see the module docstring.
@@ -75,7 +76,7 @@ def plan_layout(
     lengths = np.asarray(lengths, dtype=np.int64)
     aligned = -(-lengths // multiple) * multiple
     packing = plan(
-        aligned, seq_len, algorithm=algorithm, seed=seed,
+        aligned, seq_len, algorithm=algorithm, seed=seed, max_documents=max_documents,
         long_docs="error" if long_docs == "split" else long_docs,
     )  # fmt: skip
     slices = np.array(packing.slices, dtype=np.int64).reshape(-1, 3)  # in aligned units
@@ -94,7 +95,7 @@ def plan_layout(
         "padding_tokens": packing.packed_tokens - real_tokens,
         "truncated_tokens": packing.truncated_tokens, "dropped_tokens": packing.dropped_tokens,
         "pad_token_id": pad_token_id, "truncated_documents": packing.num_truncated_docs,
-        "dropped_documents": packing.num_dropped_docs,
+        "dropped_documents": packing.num_dropped_docs, "max_documents": max_documents,
     }  # fmt: skip
     log.info(
         "planned %d documents into %d rows of %d tokens (%.2f%% efficiency; %d truncated, %d dropped)",

@@ -56,8 +56,8 @@ class PackWriter:
 
     Args:
         out: the output directory.
-        seq_len, pad_to_multiple_of, cp_size, algorithm, long_docs, seed, pad_token_id: as
-            `PackedDataset`.
+        seq_len, pad_to_multiple_of, cp_size, algorithm, long_docs, seed, pad_token_id,
+            max_documents: as `PackedDataset`.
         config: anything else that must match on resume (input path, tokenizer, fields, ...).
         resume: continue the unfinished run in ``out`` from its last checkpoint.
         checkpoint_every: documents between checkpoints.
@@ -84,6 +84,7 @@ class PackWriter:
         resume: bool = False,
         checkpoint_every: int = 100_000,
         buffer_tokens: int = 1 << 16,
+        max_documents: int | None = None,
     ) -> None:
         from megapack.packing.names import ALGORITHMS
 
@@ -100,6 +101,7 @@ class PackWriter:
             "seq_len": seq_len, "pad_to_multiple_of": pad_to_multiple_of, "cp_size": cp_size,
             "multiple": multiple, "algorithm": algorithm,
             "long_docs": long_docs, "seed": seed, "pad_token_id": pad_token_id,
+            "max_documents": max_documents,
         }  # fmt: skip
         self.config = json.loads(json.dumps(config or {}, default=str))
         self.checkpoint_every = checkpoint_every
@@ -289,7 +291,7 @@ class PackWriter:
         arrays, meta = plan_layout(
             np.frombuffer(self._lengths, dtype=np.int64).copy(), s["seq_len"], multiple=s["multiple"],
             cp_size=s["cp_size"], algorithm=s["algorithm"], long_docs=s["long_docs"],
-            seed=s["seed"], pad_token_id=s["pad_token_id"],
+            seed=s["seed"], pad_token_id=s["pad_token_id"], max_documents=s["max_documents"],
         )  # fmt: skip
         meta.update(input_documents=self.input_documents, split_documents=self.split_documents)
         if self._origins is not None:

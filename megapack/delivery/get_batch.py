@@ -31,6 +31,7 @@ from megapack.core.cp import CP_LAYOUTS, CpLayout, take_share
 from megapack.core.errors import CollectiveError, ProtocolError, RemoteDataError
 from megapack.core.fields import BatchField, Schema, Stage, schema_of
 from megapack.core.items import Batch, Layout, normalize
+from megapack.core.static import StaticShape, pad_static
 from megapack.delivery.transport import Transport, transport_for
 from megapack.delivery.wire import Header, Status, decode, encode, header_bytes, signal
 from megapack.distributed.groups import control_group
@@ -50,6 +51,7 @@ class _SourceOptions:
     cp_layout: CpLayout
     sequence_parallel: bool
     packed: bool | None
+    static: StaticShape | None
 
 
 def get_batch_on_this_tp_rank(
@@ -61,6 +63,7 @@ def get_batch_on_this_tp_rank(
     sequence_parallel: bool = False,
     packed: bool | None = None,
     fields: Sequence[BatchField] = (),
+    static: StaticShape | None = None,
 ) -> dict[str, Any]:
     """Drop-in for Megatron's ``get_batch_on_this_tp_rank``, correct on every pipeline stage.
 
@@ -95,6 +98,10 @@ def get_batch_on_this_tp_rank(
             or returns the all-None batch (False or None).
         fields: a trainer's own fields (`megapack.BatchField`: RL advantages and log-probs,
             images), the same on every TP rank; each arrives under its name, bit-exact.
+        static: a `megapack.StaticShape`: every packed batch arrives with boundaries of
+            ``max_segments + 1`` entries (padded with the final offset) and that ``max_seqlen``,
+            the same shapes every call, as a CUDA graph needs (`megapack.core.static`); a batch
+            over the cap is an error on the source naming it (and `RemoteDataError` on peers).
 
     Returns:
         A dict with exactly the keys `megapack.core.fields.OUTPUT_KEYS` (``tokens``,
@@ -114,6 +121,8 @@ def get_batch_on_this_tp_rank(
         raise ValueError(f"cp_layout must be one of {CP_LAYOUTS} or None, got {cp_layout!r}")
     if packed is not None and not isinstance(packed, bool):
         raise TypeError(f"packed must be True, False or None, got {packed!r}")
+    if static is not None and not isinstance(static, StaticShape):
+        raise TypeError(f"static must be a megapack.StaticShape or None, got {static!r}")
     schema = schema_of(fields)
     topo = topology if topology is not None else Topology.from_parallel_state()
     if topo.tp_group is not None and debug_sync_enabled():
@@ -127,6 +136,7 @@ def get_batch_on_this_tp_rank(
             cp_layout=topo.cp_layout if cp_layout is None else cp_layout,
             sequence_parallel=sequence_parallel,
             packed=packed,
+            static=static,
         )
         return _send(data_iterator, topo, schema, transport, timeout, options)
     return _receive(topo, schema, transport, timeout)
@@ -147,6 +157,8 @@ def _send(
             header = _without_iterator(topo, schema, options)
         else:
             batch = normalize(next(data_iterator), schema, packed=options.packed)
+            if options.static is not None and batch.layout == Layout.PACKED:
+                batch = Batch(batch.layout, pad_static(batch.values, options.static))
             _check_hybrid_cp(batch, topo)
             values = take_share(
                 batch.values, schema.by_stage[topo.stage], packed=batch.layout == Layout.PACKED,

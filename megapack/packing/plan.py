@@ -70,6 +70,7 @@ def plan(
     micro_batches: int = 1,
     rows_per_micro_batch: int = 1,
     cost: CostModel | None = None,
+    max_documents: int | None = None,
 ) -> PackPlan:
     """Plan how to pack documents of the given lengths into bins of ``capacity`` tokens.
 
@@ -96,6 +97,9 @@ def plan(
         dp_size, micro_batches, rows_per_micro_batch: data-parallel ranks, micro-batches per rank
             per optimizer step, rows per micro-batch: a global batch is their product of rows.
         cost: the `CostModel` of a row, required by ``balance="compute"``.
+        max_documents: at most this many slices (documents, or pieces of a split one) per bin,
+            for static shapes (`megapack.core.static`): the algorithm's bins that hold more give
+            their shortest slices to bins with room and a free slot (best fit), else to new bins.
 
     Returns:
         The `PackPlan`.
@@ -149,12 +153,60 @@ def plan(
             max_steps=int(max_search_steps),
             lower_bound=bound,
         )
+    if max_documents is not None:
+        _check_int("max_documents", max_documents, minimum=1)
+        bin_of = cap_documents(sizes, bin_of, capacity, int(max_documents))
     result = _to_plan(items, bin_of, capacity, algorithm, bound)
     if balance is None:
         return result
     costs = (cost or CostModel.tokens()).bin_costs(result.slices, result.bin_offsets)
     order = order_rows(costs, balance=balance, **layout, seed=int(seed), pad=False)
     return result.reordered(order)
+
+
+def cap_documents(
+    sizes: np.ndarray, bin_of: np.ndarray, capacity: int, max_documents: int
+) -> np.ndarray:
+    """``bin_of`` with no bin holding more than ``max_documents`` items: every bin over the cap
+    gives up its shortest items, which go, longest first, to the fullest bin with room for them
+    and a free slot, else to a new bin (numbered after the others).
+
+    Example:
+        >>> cap_documents(np.array([1, 1, 1, 5, 3]), np.array([0, 0, 0, 1, 1]), 8, 2).tolist()
+        [2, 0, 0, 1, 1]
+    """
+    bin_of = bin_of.copy()
+    num_bins = int(bin_of.max()) + 1 if len(bin_of) else 0
+    counts = np.bincount(bin_of, minlength=num_bins)
+    loads = np.bincount(bin_of, weights=sizes, minlength=num_bins).astype(np.int64)
+    moved: list[int] = []
+    for b in np.flatnonzero(counts > max_documents).tolist():
+        members = np.flatnonzero(bin_of == b)
+        shortest = members[np.argsort(sizes[members], kind="stable")][: counts[b] - max_documents]
+        moved += shortest.tolist()
+        counts[b] -= len(shortest)
+        loads[b] -= int(sizes[shortest].sum())
+    extra_counts: list[int] = []
+    extra_loads: list[int] = []
+    for i in sorted(moved, key=lambda i: (-int(sizes[i]), i)):
+        size = int(sizes[i])
+        fits = np.flatnonzero((counts < max_documents) & (loads + size <= capacity))
+        if len(fits):
+            b = int(fits[np.argmax(loads[fits])])
+            counts[b] += 1
+            loads[b] += size
+            bin_of[i] = b
+            continue
+        new = next((j for j, (c, load) in enumerate(zip(extra_counts, extra_loads, strict=True))
+                    if c < max_documents and load + size <= capacity), None)  # fmt: skip
+        if new is None:
+            new = len(extra_counts)
+            extra_counts.append(0)
+            extra_loads.append(0)
+        extra_counts[new] += 1
+        extra_loads[new] += size
+        bin_of[i] = num_bins + new
+    return bin_of
 
 
 def _to_plan(

@@ -91,6 +91,7 @@ class StreamingPacker:
         dp_size, micro_batches, rows_per_micro_batch: the consumer's layout, for "compute".
         cost: the `CostModel` of a bin, required by ``balance="compute"``.
         balance_window: global batches balanced together (more: better balance, more bins held).
+        max_documents: at most this many pieces a bin (static shapes), as ``plan()``'s.
 
     Example:
         >>> packer = StreamingPacker(5, buffer_size=4)
@@ -113,6 +114,7 @@ class StreamingPacker:
         rows_per_micro_batch: int = 1,
         cost: CostModel | None = None,
         balance_window: int = 8,
+        max_documents: int | None = None,
     ) -> None:
         limits = {"capacity": 1, "buffer_size": 1, "seed": 0, "search_steps": 0}
         limits["balance_window"] = 1
@@ -145,6 +147,13 @@ class StreamingPacker:
         self.long_docs = long_docs
         self.seed = int(seed)
         self.search_steps = int(search_steps)
+        if max_documents is not None and (
+            isinstance(max_documents, bool)
+            or not isinstance(max_documents, int)
+            or max_documents < 1
+        ):
+            raise ValueError(f"max_documents must be an int >= 1 or None, got {max_documents!r}")
+        self.max_documents = max_documents
         self.consumed = 0
         """Upstream documents read so far (where a resumed upstream must start)."""
         self.rounds = 0
@@ -254,6 +263,7 @@ class StreamingPacker:
             seed=seed,
             time_limit_s=None,
             max_search_steps=self.search_steps,
+            max_documents=self.max_documents,
         )
         bins = [[int(i) for i in result.bin(b)[:, 0]] for b in range(result.num_bins)]
         loads = result.bin_loads.tolist()
@@ -324,5 +334,6 @@ class StreamingPacker:
             "balance": self.balance,
             **self.layout,
             "balance_window": self.balance_window,
+            "max_documents": self.max_documents,
             "cost": None if self.cost is None else [self.cost.a, self.cost.b],
         }

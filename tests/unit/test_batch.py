@@ -308,7 +308,8 @@ GOOD = PackedBatch.from_documents([[5, 6, 7], [8, 9]])  # T = 5, cu_seqlens [0, 
         ({"cu_seqlens": i32([0])}, "PackedBatch.cu_seqlens must start at 0 and hold >= 2 entries, got [0]"),
         ({"cu_seqlens": i32(list(range(1, 11)))},
          "PackedBatch.cu_seqlens must start at 0 and hold >= 2 entries, got [1, 2, 3, 4, 5, 6, 7, 8]"),
-        ({"cu_seqlens": i32([0, 1, 1, 5])}, "PackedBatch.cu_seqlens is not strictly increasing: 1 follows 1 at index 2"),
+        ({"cu_seqlens": i32([0, 1, 1, 5])}, "PackedBatch.cu_seqlens is not strictly increasing: 1 follows 1 at index 2"
+         " (only trailing entries may repeat the final offset: zero-length documents that pad a static shape)"),
         ({"cu_seqlens_padded": i32([0, 4])}, "PackedBatch.cu_seqlens_padded has 2 entries but cu_seqlens has 3"),
         ({"cu_seqlens_padded": i32([1, 4, 5])},
          "PackedBatch.cu_seqlens_padded must start at 0 and hold >= 2 entries, got [1, 4, 5]"),
@@ -391,6 +392,7 @@ def test_boundaries_on_a_gpu_are_checked_through_one_host_copy() -> None:
     bad = dataclasses.replace(b, cu_seqlens=i32([0, 3, 3, 5]).as_subclass(_CudaBoundaries))
     assert (
         refusal(bad) == "PackedBatch.cu_seqlens is not strictly increasing: 3 follows 3 at index 2"
+        " (only trailing entries may repeat the final offset: zero-length documents that pad a static shape)"
     )
 
 

@@ -51,7 +51,16 @@ def test_reference_attention_worked_example() -> None:
     assert torch.allclose(out[5], w[:, :1] * v[4] + w[:, 1:] * v[5])
     assert not out[1:4].any() and not out[6:].any()
     labels = [label for label, _, _ in attention_cases(16)]
-    assert len(labels) == 3 and "padded to a multiple of 8" in labels[1]
+    assert len(labels) == 5 and "padded to a multiple of 8" in labels[1]
+    assert all("zero-length" in label for label in labels[3:])  # static shapes: every backend
+
+
+def test_zero_length_documents_in_the_kits_attention_check_cpu() -> None:
+    from megapack.bench.gpu_checks import attention_checks
+
+    checks = attention_checks(CPU, torch.float32, heads=4, groups=2, head_dim=8, max_len=16)
+    ran = [c for c in checks if c.status != "skipped" and not c.name.startswith("attention: auto")]
+    assert ran and all(c.status == "passed" for c in ran), ran
 
 
 def test_attention_check_passes_the_reference_kernel() -> None:

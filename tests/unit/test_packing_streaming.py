@@ -162,7 +162,7 @@ def test_state_dict_records_every_setting_and_the_progress() -> None:
     assert state["config"] == {
         "capacity": 5, "buffer_size": 4, "algorithm": "bfd", "long_docs": "split", "seed": 0,
         "search_steps": 1000, "balance": "token", "dp_size": 1, "micro_batches": 1,
-        "rows_per_micro_batch": 1, "balance_window": 8, "cost": None,
+        "rows_per_micro_batch": 1, "balance_window": 8, "max_documents": None, "cost": None,
     }  # fmt: skip
     assert StreamingPacker(5).state_dict()["config"]["buffer_size"] == 1000
     assert (state["version"], state["consumed"], state["rounds"]) == (1, 6, 2)
@@ -282,4 +282,4 @@ def test_each_round_calls_plan_with_its_seed_budget_and_no_time_limit(
     for k, kw in enumerate(calls):
         seed = int(np.random.SeedSequence([7, k]).generate_state(1)[0])
         assert kw == {"algorithm": "best", "long_docs": "error", "seed": seed,
-                      "time_limit_s": None, "max_search_steps": 40}  # fmt: skip
+                      "time_limit_s": None, "max_search_steps": 40, "max_documents": None}  # fmt: skip
