@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 examples/pretrain_gpt_packed.py --tp 2 --pp 2 --padded   # one document per row
     torchrun --nproc-per-node 4 examples/pretrain_gpt_packed.py --tp 2 --cp 2            # context parallel
 
-gloo on CPU (megatron-core's CUDA calls redirected by megapack.testing.megatron_on_cpu), NCCL on CUDA.
+gloo on CPU (megatron-core's CUDA calls redirected by megapack.harness.megatron_cpu.megatron_on_cpu), NCCL on CUDA.
 The structure follows Megatron-LM's pretrain_gpt.py: ``model_provider``, ``get_batch`` (here
 megapack.get_batch_on_this_tp_rank), ``loss_func``, ``forward_step``, and megatron-core's schedules.
 Every step trains on the same generated documents (lognormal lengths, like SFT data); packed
@@ -31,10 +31,10 @@ import torch.distributed as dist
 
 import megapack
 from megapack.core.quiet import quiet_megatron
+from megapack.harness.gpt import packed_micro_batch, padded_micro_batch
 from megapack.megatron import packed_gpt_layer_spec
 from megapack.megatron.loss import masked_mean_loss
 from megapack.packing import plan
-from megapack.testing.gpt import packed_micro_batch, padded_micro_batch
 
 
 def parse_args() -> argparse.Namespace:
@@ -144,7 +144,7 @@ def main() -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if not cuda:
-        from megapack.testing import megatron_on_cpu
+        from megapack.harness.megatron_cpu import megatron_on_cpu
 
         megatron_on_cpu()
     ps.initialize_model_parallel(

@@ -17,7 +17,7 @@ exactly its share), and the first stages never move their bytes:
     batch = megapack.get_batch_on_this_tp_rank(it, topology=topology, fields=RL_FIELDS)
 
 The loss is the clipped surrogate `megapack.megatron.loss.clipped_policy_loss`. gloo on CPU
-(megatron-core's CUDA calls redirected by megapack.testing.megatron_on_cpu), NCCL on CUDA.
+(megatron-core's CUDA calls redirected by megapack.harness.megatron_cpu.megatron_on_cpu), NCCL on CUDA.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main() -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if not cuda:
-        from megapack.testing import megatron_on_cpu
+        from megapack.harness.megatron_cpu import megatron_on_cpu
 
         megatron_on_cpu()
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp,

@@ -42,7 +42,7 @@ _ITEMS_TESTS = [
     "tests/unit/test_rows.py",
     "tests/unit/test_megatron_batches.py",
     "tests/unit/test_fields.py",
-    "tests/unit/test_transfer.py",
+    "tests/unit/test_get_batch_one_rank.py",
     "tests/unit/test_batch.py",
     "tests/unit/test_wire.py",
 ]
@@ -100,11 +100,11 @@ TESTS: dict[str, list[str]] = {
     "megapack/delivery/link_setup.py": ["tests/unit/test_link_setup.py"],
     "megapack/delivery/transport.py": [
         "tests/unit/test_transport.py",
-        "tests/unit/test_transfer.py",
+        "tests/unit/test_get_batch_one_rank.py",
     ],
     "megapack/delivery/get_batch.py": [
         "tests/unit/test_get_batch.py",
-        "tests/unit/test_transfer.py",
+        "tests/unit/test_get_batch_one_rank.py",
         "tests/unit/test_megatron_batches.py",
     ],
     "megapack/delivery/prefetch.py": ["tests/unit/test_prefetch_thread.py"],

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from megapack.testing.pool import WorkerPool
+from megapack.harness.pool import WorkerPool
 
 
 @pytest.fixture(scope="session")

@@ -10,11 +10,12 @@ Modules:
     varlen.py     torch's varlen_attn in each released form (found from its signature)
     flex.py       flex_attention: one block mask per micro-batch, one compiled kernel
     te.py         Transformer Engine's THD attention
-    cp.py         context-parallel attention: K/V all-gather, segment plan (cp_kernels.py: kernels)
+    cp.py         context-parallel attention: K/V all-gather (cp_plan.py: the segment plan,
+                  cp_kernels.py: its kernels)
     rope.py       rotary position embedding from each token's position in its document
 
-Never imports the delivery modules (transfer, wire, ...) or megapack's process-group code
-(tests/unit/test_attention.py checks); megatron-core only lazily, inside calls.
+Never imports the delivery (`megapack.delivery`) or megapack's process-group code (the layers:
+tests/unit/test_layering.py); megatron-core only lazily, inside calls.
 """
 
 from megapack.attention.choice import BACKENDS, backend_available, choose_backend, resolve_backend

@@ -88,10 +88,10 @@ def check_flags(args: argparse.Namespace) -> None:
         value = getattr(args, attr, None)
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be an integer >= 1, got {value}")
-    if getattr(args, "time_limit", None) is not None and not args.time_limit > 0:
-        raise ValueError(f"--time-limit must be a number of seconds > 0, got {args.time_limit}")
+    if getattr(args, "time_limit", None) is not None and not args.time_limit >= 0:
+        raise ValueError(f"--time-limit must be a number of seconds >= 0, got {args.time_limit}")
     multiple = cp_pad_multiple(args.cp_size, args.pad_to_multiple_of)
-    if args.seq_len % multiple:
+    if args.command == "pack" and args.seq_len % multiple:  # rows hold whole padded documents
         why = f"--pad-multiple {args.pad_to_multiple_of}" if args.cp_size == 1 else (
             f"lcm(--pad-multiple {args.pad_to_multiple_of}, 2 x --cp-size {args.cp_size})")  # fmt: skip
         raise ValueError(f"--seq-len {args.seq_len} must be a multiple of {multiple} ({why})")

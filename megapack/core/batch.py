@@ -349,8 +349,12 @@ def _check_cu(name: str, cu: Any) -> tuple[np.ndarray, np.ndarray]:
             repeat = values[i] == values[i - 1]
             raise ValueError(
                 f"{name} is not strictly increasing: {values[i]} follows {values[i - 1]} at index {i}"
-                + (" (only trailing entries may repeat the final offset: zero-length documents "
-                   "that pad a static shape)" if repeat else "")
+                + (
+                    " (only trailing entries may repeat the final offset: zero-length documents "
+                    "that pad a static shape)"
+                    if repeat
+                    else ""
+                )
             )
     return values, lengths
 

@@ -1,4 +1,4 @@
-"""Known-harmless megatron-core warnings, filtered in the one place where megapack uses megatron.
+"""Known-harmless megatron-core warnings, filtered wherever megapack imports megatron-core (lazily).
 
 Without Apex or Transformer Engine, megatron-core warns once per process per module that the
 optional fused kernels are absent (4 UserWarnings for ``megatron.core``, more for a GPT model's

@@ -6,6 +6,8 @@
   full tensor is drawn from a generator seeded by (seed, global parameter name), then cut along its
   ``partition_dim`` for this TP rank. So tp=2 x pp=4 starts from exactly the weights of tp=1 x pp=1,
   without saving or moving a checkpoint.
+* `packed_micro_batch` / `padded_micro_batch` lay documents out as Megatron's own SFT dicts
+  (packed rows with -1-padded ``cu_seqlens``) and padded ``[b, s]`` rows.
 * `forward_step` is a pretrain_gpt-style ``forward_step_func`` that calls
   `megapack.get_batch_on_this_tp_rank` and returns a masked mean loss per micro-batch
   (`megapack.megatron.loss.masked_mean_loss`).
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 
+from megapack.core.batch import PackedBatch
 from megapack.core.cp import CpLayout
 from megapack.core.fields import BatchField
 from megapack.delivery.get_batch import get_batch_on_this_tp_rank
@@ -179,3 +182,46 @@ def forward_step(
     if loss is not None:
         return output, loss(batch, cp_group)
     return output, functools.partial(masked_mean_loss, batch["loss_mask"], cp_group=cp_group)
+
+
+def packed_micro_batch(
+    rows: Sequence[Sequence[Sequence[int]]], seq_len: int, *, pad_to_multiple_of: int = 1
+) -> dict[str, torch.Tensor]:
+    """Megatron SFT-style packed micro-batch: one row of ``seq_len`` per entry of ``rows``.
+
+    Each row's documents are packed with `PackedBatch.from_documents`; ``cu_seqlens`` rows are
+    padded with -1, as Megatron's SFT datasets do. With ``pad_to_multiple_of > 1`` every document
+    is padded to that multiple (context parallelism's "document" layout) and the batch also
+    carries ``cu_seqlens_padded`` rows.
+    """
+    packed = [
+        PackedBatch.from_documents(
+            list(docs), seq_len=seq_len, pad_to_multiple_of=pad_to_multiple_of
+        )
+        for docs in rows
+    ]
+    out = {
+        k: torch.cat([getattr(p, k) for p in packed])
+        for k in ("tokens", "labels", "loss_mask", "position_ids")
+    }
+    out["cu_seqlens"] = _cu_rows([p.cu_seqlens for p in packed])
+    if pad_to_multiple_of > 1:
+        out["cu_seqlens_padded"] = _cu_rows([p.cu_seqlens_padded for p in packed])  # type: ignore[misc]
+    return out
+
+
+def _cu_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[b, max n + 1] int32, each row's boundaries then -1."""
+    cu = torch.full((len(rows), max(len(r) for r in rows)), -1, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        cu[i, : len(r)] = r
+    return cu
+
+
+def padded_micro_batch(docs: Sequence[Sequence[int]], seq_len: int) -> dict[str, torch.Tensor]:
+    """Plain [len(docs), seq_len] micro-batch: one document per row, padded at the end (Megatron SFT)."""
+    rows = [PackedBatch.from_documents([doc], seq_len=seq_len) for doc in docs]
+    return {
+        k: torch.cat([getattr(r, k) for r in rows])
+        for k in ("tokens", "labels", "loss_mask", "position_ids")
+    }

@@ -11,10 +11,13 @@ Example, lengths ``[3, 2, 4]`` at capacity 5:
     >>> p.bins, p.num_bins, p.efficiency, p.lower_bound
     ([[(2, 0, 4)], [(0, 0, 3), (1, 0, 2)]], 2, 0.9, 2)
 
-Files: plan.py (entry point), pack_plan.py (the result), items.py (long documents), bfd.py and
-fit.py (greedy algorithms), search.py and partial.py (the "best" local search), subset_sum.py,
-bounds.py (L1, L2), streaming.py, cost.py (row cost a * tokens + b * sum(len^2)), balance.py and layers.py (compute-balanced
-dealing to data-parallel ranks), compare.py (token vs compute plan).
+Files: plan.py (entry point; ``max_documents`` caps a row's documents), pack_plan.py (the
+result), items.py (long documents into packable pieces), bfd.py and fit.py (greedy algorithms),
+search.py and partial.py (the "best" local search), subset_sum.py, bounds.py (L1, L2),
+streaming.py, cost.py (row cost a * tokens + b * sum(len^2)), balance.py, layers.py and
+dealing.py (compute-balanced dealing to data-parallel ranks), compare.py (token vs compute plan),
+align.py (`align_by_kind`: the same kind of micro-batch on every rank at each step), names.py
+(every choice list: algorithms, long-document policies, balance modes).
 """
 
 from megapack.packing.bounds import l1_bound, l2_bound, lower_bound

@@ -1,5 +1,5 @@
-"""Helpers for tests of megapack and of users' own training code (worker pool, grids, megatron on CPU)."""
+"""Helpers for megapack's own tests (grids, host-read recording); tests only.
 
-from megapack.harness.megatron_cpu import megatron_on_cpu
-
-__all__ = ["megatron_on_cpu"]
+Running megatron-core on CPU, the worker pool and the tiny GPT live in `megapack.harness`, their one
+import path (`megapack.harness.megatron_cpu`, `megapack.harness.pool`, `megapack.harness.gpt`).
+"""

@@ -56,7 +56,7 @@ def test_balance_stats_model_shape(tmp_path: Path, capsys: pytest.CaptureFixture
         (["--hidden", "64"], "needs --ffn, --layers, --heads, --vocab"),
         (["--cost-b", "1", "--layers", "2"], "not both"),
         (["--cost-a", "-1"], "CostModel.a"),
-        (["--dp", "0"], "dp_size must be >= 1"),
+        (["--dp", "0"], "--dp must be an integer >= 1, got 0"),
     ],
 )
 def test_balance_stats_errors(

@@ -1,4 +1,5 @@
-"""Every Python snippet and command of README.md and CONTRIBUTING.md runs, so the docs cannot drift.
+"""Every Python snippet and command of README.md, CONTRIBUTING.md and every guide in docs/ runs, so
+the docs cannot drift (the dated records in docs/records/ are not guides: they hold no snippet).
 
 How each kind is exercised (nothing is skipped: a snippet or command no rule covers fails the test,
 naming its file and line, so a new README section needs a harness or a rule here):
@@ -40,7 +41,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "CONTRIBUTING.md")
+GUIDES = tuple(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
+"""Every guide in docs/ (docs/records/ holds dated records, not guides)."""
+DOCS = ("README.md", "CONTRIBUTING.md", *GUIDES)
 PROGRAMS = ("bash", "python", "megapack", "torchrun", "ruff", "mypy", "pip")
 
 
@@ -319,7 +322,44 @@ def resume_recipe(ns: dict[str, Any], run: Callable[[], None]) -> None:
     assert torch.equal(first.tokens, reference[2].tokens)  # the third micro-batch: after one step
 
 
+def quickstart(ns: dict[str, Any], run: Callable[[], None]) -> None:
+    from megapack.cli import main
+
+    if not Path("packed").exists():  # the quickstart's own `megapack pack ... --out packed/`
+        assert main(["pack", "sft.jsonl", "--seq-len", "4096", "--out", "packed"]) == 0
+    ns.update(dp_rank=0, dp_size=1, num_microbatches=2, tp_rank=0)
+    run()
+
+    class PerTokenModel(FakeModel):
+        def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            super().__call__(*args, **kwargs)
+            return torch.ones(tuple(kwargs["labels"].shape))
+
+    output, loss_func = ns["forward_step"](ns["data_iterator"], PerTokenModel())
+    total, count, report = loss_func(output)  # every per-token loss 1: the sum is the count
+    assert total.item() == count.item() > 0 and report["lm loss"].tolist() == [
+        total.item(),
+        count.item(),
+    ]
+
+
+def static_shapes(ns: dict[str, Any], run: Callable[[], None]) -> None:
+    import megapack
+    from megapack.core.static import segments_for
+    from megapack.data import PackedDataset, read_documents
+
+    train = PackedDataset(list(read_documents("sft.jsonl")), seq_len=4096, rows_per_micro_batch=2,
+                          max_documents=8)  # fmt: skip
+    ns.update(megapack=megapack, segments_for=segments_for, data_iterator=iter(train))
+    run()
+    first = ns["inputs"].batch
+    assert first["cu_seqlens"].shape == (19,) and first["max_seqlen"] == 4096
+    ns["ahead"].close()
+
+
 HARNESSES: dict[str, Callable[[dict[str, Any], Callable[[], None]], None]] = {
+    "inputs = megapack.GraphInputs(next(ahead))": static_shapes,
+    "data_iterator = train.iterate(repeat=True) if tp_rank == 0": quickstart,
     "state_for(consumed_samples=": resume_recipe,
     "loss_fields=True)": loss_modes,
     "RL_FIELDS = (": rl_fields,
@@ -528,7 +568,14 @@ def test_command_works(command: Block, world: Path, capsys: pytest.CaptureFixtur
 
 def test_every_doc_has_what_this_test_expects() -> None:
     """A guard against a parser bug that would make the two tests above check nothing."""
-    assert len(SNIPPETS) >= 8 and {b.doc for b in SNIPPETS} == set(DOCS)
+    assert len(SNIPPETS) >= 8 and {b.doc for b in SNIPPETS} <= set(DOCS)
+    assert {"README.md", "docs/delivery.md", "docs/losses.md"} <= {b.doc for b in SNIPPETS}
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250, "the README is a first screen: guides go in docs/"
+    for guide in GUIDES:  # every guide is linked from the README (STYLE.md: via CONTRIBUTING too)
+        assert f"]({guide})" in readme or f"]({guide}#" in readme, (
+            f"README.md does not link {guide}"
+        )
     kinds = {
         rule[1].__name__ for c in ALL_COMMANDS for rule in COMMANDS if re.match(rule[0], c.text)
     }

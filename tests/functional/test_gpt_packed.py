@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from megapack.testing.gpt import (
+from megapack.harness.gpt import (
     TinyGPT,
     forward_step,
     init_weights,
@@ -62,7 +62,7 @@ def run(
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megapack import Topology
-    from megapack.testing.megatron_cpu import megatron_on_cpu
+    from megapack.harness.megatron_cpu import megatron_on_cpu
 
     megatron_on_cpu()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

@@ -42,9 +42,9 @@ def model_path_reads(backend: str, pad: int, megatron_rope: bool) -> list[dict[s
 
     import megapack
     from megapack import Topology
+    from megapack.harness.gpt import TinyGPT, init_weights
+    from megapack.harness.megatron_cpu import megatron_on_cpu
     from megapack.megatron import spec
-    from megapack.testing.gpt import TinyGPT, init_weights
-    from megapack.testing.megatron_cpu import megatron_on_cpu
 
     megatron_on_cpu()
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
@@ -69,7 +69,7 @@ def reads_of(
     import torch
 
     from megapack import get_batch_on_this_tp_rank
-    from megapack.testing.gpt import packed_micro_batch
+    from megapack.harness.gpt import packed_micro_batch
     from megapack.testing.host_reads import host_reads
 
     docs = [[list(range(1, n + 1)) for n in row] for row in rows]

@@ -215,8 +215,8 @@ def reference_task(cases: dict[str, tuple[str, list[list[int]], bool, bool]]) ->
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from megapack.harness.megatron_cpu import megatron_on_cpu
     from megapack.megatron.loss import _surrogate
-    from megapack.testing.megatron_cpu import megatron_on_cpu
 
     megatron_on_cpu()
     ps.initialize_model_parallel(1, 1)
@@ -253,7 +253,7 @@ def grid_task(config: tuple[Any, ...], references: dict[str, Any]) -> dict[str, 
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megapack import Topology, with_loss_fields
-    from megapack.testing.megatron_cpu import megatron_on_cpu
+    from megapack.harness.megatron_cpu import megatron_on_cpu
 
     tp, pp, cp, _, layout, _, micro = config
     megatron_on_cpu()
@@ -429,7 +429,7 @@ def with_loss_fields_task(case: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from megapack import with_loss_fields
-    from megapack.testing.gpt import padded_micro_batch
+    from megapack.harness.gpt import padded_micro_batch
 
     rank = dist.get_rank()
     count = 3 if case == "uneven" and rank == 0 else 2  # uneven: step 1 holds 1 and 0

@@ -20,9 +20,8 @@ import pytest
 import torch
 
 from megapack import BatchField, PackedBatch
-from megapack.harness.gpt import TinyGPT, forward_step, init_weights
+from megapack.harness.gpt import TinyGPT, forward_step, init_weights, padded_micro_batch
 from megapack.megatron.loss import clipped_policy_loss
-from megapack.testing.gpt import padded_micro_batch
 
 pytestmark = pytest.mark.distributed
 
@@ -70,7 +69,7 @@ def _setup(tp: int, pp: int, cp: int = 1, layout: str = "document") -> tuple[Any
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megapack import Topology
-    from megapack.testing.megatron_cpu import megatron_on_cpu
+    from megapack.harness.megatron_cpu import megatron_on_cpu
 
     megatron_on_cpu()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

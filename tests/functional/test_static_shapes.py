@@ -25,7 +25,7 @@ def run_static(cp: int, layout: str) -> dict[str, Any]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megapack import Topology, get_batch_on_this_tp_rank
-    from megapack.testing.megatron_cpu import megatron_on_cpu
+    from megapack.harness.megatron_cpu import megatron_on_cpu
 
     megatron_on_cpu()
     ps.initialize_model_parallel(context_parallel_size=cp)

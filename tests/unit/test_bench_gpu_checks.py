@@ -146,7 +146,7 @@ ARMED = {"on": False}
 def stand_in_guard(device: torch.device) -> Iterator[bool]:
     """Raises where a planted sync or a ``.item()`` runs, as ``set_sync_debug_mode("error")`` does."""
     ARMED["on"] = True
-    real_item = torch.Tensor.item
+    real_item, own = torch.Tensor.item, "item" in torch.Tensor.__dict__
 
     def item(self: torch.Tensor) -> Any:
         planted_sync()
@@ -156,7 +156,10 @@ def stand_in_guard(device: torch.device) -> Iterator[bool]:
     try:
         yield True
     finally:
-        torch.Tensor.item = real_item  # type: ignore[method-assign]
+        if own:
+            torch.Tensor.item = real_item  # type: ignore[method-assign]
+        else:  # inherited from torch's C base: leave no attribute of our own behind
+            del torch.Tensor.item
         ARMED["on"] = False
 
 

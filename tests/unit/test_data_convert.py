@@ -312,23 +312,25 @@ def test_document_batch_head_is_a_whole_batch_of_the_first_documents() -> None:
         (b'{"text": "\xff"}', False, "invalid UTF-8", b'{"text": "\xff"}',
          "bad byte at offset 10 of the line; re-encode the file as UTF-8"),
         (b"{bad  \r", False, "invalid JSON", "{bad  ",
-         "Expecting property name enclosed in double quotes at column 2; each line must be one "
+         "Expecting property name enclosed in double quotes at column 2 of 6; each line must be one "
          "complete JSON object"),
         (b"{baX\r", False, "invalid JSON", "{baX",
-         "Expecting property name enclosed in double quotes at column 2; each line must be one "
+         "Expecting property name enclosed in double quotes at column 2 of 4; each line must be one "
          "complete JSON object"),
         (b"{bad\r", False, "invalid JSON", "{bad",
-         "Expecting property name enclosed in double quotes at column 2; each line must be one "
+         "Expecting property name enclosed in double quotes at column 2 of 4; each line must be one "
          "complete JSON object"),
         (b'{"a": "\x01"}', False, "invalid JSON", '{"a": "\x01"}',
-         "Invalid control character at column 8; each line must be one complete JSON object"),
+         "Invalid control character at column 8 of 10; each line must be one complete JSON object"),
         (b" [1, 2,", True, "invalid JSON", " [1, 2,",
-         "Expecting value at column 8; each line must be one complete JSON object (this looks "
-         "like a JSON array: write one element per line instead)"),
+         "Expecting value at column 8 of 7; each line must be one complete JSON object (the line "
+         "ends early: was it cut short?) (this looks like a JSON array: write one element per line "
+         "instead)"),
         (b" [1, 2,", False, "invalid JSON", " [1, 2,",
-         "Expecting value at column 8; each line must be one complete JSON object"),
+         "Expecting value at column 8 of 7; each line must be one complete JSON object (the line "
+         "ends early: was it cut short?)"),
         (b"\xef\xbb\xbf{bad", True, "invalid JSON", "{bad",
-         "Expecting property name enclosed in double quotes at column 2; each line must be one "
+         "Expecting property name enclosed in double quotes at column 2 of 4; each line must be one "
          "complete JSON object"),
     ],
 )  # fmt: skip

@@ -31,7 +31,7 @@ def test_layout_worked_example(caplog: pytest.LogCaptureFixture) -> None:
         "version": FORMAT_VERSION, "seq_len": 8, "pad_to_multiple_of": 2, "algorithm": "bfd",
         "long_docs": "split", "seed": 3, "documents": 2, "cp_size": 1, "rows": 2,
         "lower_bound": 2, "efficiency": 0.5, "padding_tokens": 2, "truncated_tokens": 0,
-        "dropped_tokens": 0, "pad_token_id": 7, "truncated_documents": 0, "dropped_documents": 0,
+        "dropped_tokens": 0, "pad_token_id": 7, "truncated_documents": 0, "dropped_documents": 0, "max_documents": None,
     }  # fmt: skip
     assert caplog.messages == [
         "planned 2 documents into 2 rows of 8 tokens (50.00% efficiency; 0 truncated, 0 dropped)"

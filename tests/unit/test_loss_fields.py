@@ -26,9 +26,9 @@ from megapack.core.loss_fields import (
     token_documents,
 )
 from megapack.data import Document, PackedDataset, PackWriter, step_batches, with_loss_fields
+from megapack.harness.gpt import packed_micro_batch, padded_micro_batch
 from megapack.megatron import normalized_loss, policy_loss
 from megapack.packing import Piece
-from megapack.testing.gpt import packed_micro_batch, padded_micro_batch
 from megapack.testing.host_reads import host_reads
 
 # ------------------------------------------------------------------ step_loss_fields

@@ -95,7 +95,10 @@ def test_cli_pack_and_stats_take_cp_size(
         main(["pack", str(src), "--seq-len", "60", "--cp-size", "4", "--out", str(tmp_path / "q")])
         == 2
     )
-    assert "seq_len=60 must be a multiple of 8" in capsys.readouterr().err
+    assert (
+        "--seq-len 60 must be a multiple of 8 (lcm(--pad-multiple 1, 2 x --cp-size 4))"
+        in capsys.readouterr().err
+    )
 
 
 def test_bench_cp_padding_section() -> None:

@@ -662,7 +662,7 @@ def test_unknown_options_are_listed() -> None:
         prefetch(iter([]), topology=SINGLE, zz=1, cp_layuot="row", packed=True)
     assert str(info.value) == (
         "prefetch got unknown options ['cp_layuot', 'zz']; it passes on ['cp_layout', 'fields', "
-        "'packed', 'sequence_parallel'] to get_batch_on_this_tp_rank"
+        "'packed', 'sequence_parallel', 'static'] to get_batch_on_this_tp_rank"
     )
 
 

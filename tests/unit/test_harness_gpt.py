@@ -35,7 +35,7 @@ def full_weights(tp: int, pp: int) -> dict[str, Any]:
     """On every rank: build the TinyGPT, load seed-7 weights, return this rank's named parameters."""
     from megatron.core import parallel_state as ps
 
-    from megapack.testing.megatron_cpu import megatron_on_cpu
+    from megapack.harness.megatron_cpu import megatron_on_cpu
 
     megatron_on_cpu()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
