@@ -35,13 +35,13 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 mkdir -p "$out"
-"$PY" -m megapack.bench.gpu_kit --out "$out" "${dry[@]}" 2>&1 | tee "$out/gpu-kit.log"
+"$PY" -m megapack.bench.gpu.kit --out "$out" "${dry[@]}" 2>&1 | tee "$out/gpu-kit.log"
 rc=${PIPESTATUS[0]}
 case "$rc" in
   0) exit 0 ;;
   3) exit 1 ;;  # a check failed; the report is complete
   *)
     echo "gpu_check: the kit's process exited $rc; recording it in $out/gpu-report.json" >&2
-    "$PY" -m megapack.bench.gpu_report --record-crash "$rc" --out "$out" --log "$out/gpu-kit.log"
+    "$PY" -m megapack.bench.gpu.report --record-crash "$rc" --out "$out" --log "$out/gpu-kit.log"
     exit 1 ;;
 esac

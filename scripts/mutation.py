@@ -38,7 +38,7 @@ WORK = ROOT / ".mutation" / "run"
 """Where mutmut works (``--work`` elsewhere, e.g. to keep two runs); ignored by git."""
 
 _ITEMS_TESTS = [
-    "tests/unit/test_items.py",
+    "tests/unit/test_normalize.py",
     "tests/unit/test_rows.py",
     "tests/unit/test_megatron_batches.py",
     "tests/unit/test_fields.py",
@@ -79,7 +79,7 @@ TESTS: dict[str, list[str]] = {
         "tests/unit/test_megatron_batches.py",
         "tests/unit/test_rows.py",
     ],
-    "megapack/core/items.py": _ITEMS_TESTS,
+    "megapack/core/normalize.py": _ITEMS_TESTS,
     "megapack/core/rows.py": _ITEMS_TESTS,
     "megapack/core/fields.py": ["tests/unit/test_fields.py", "tests/unit/test_wire.py"],
     "megapack/core/extras.py": [
@@ -87,7 +87,7 @@ TESTS: dict[str, list[str]] = {
         "tests/unit/test_fields.py",
         "tests/unit/test_batch.py",
     ],
-    "megapack/core/cp.py": ["tests/unit/test_cp.py", "tests/unit/test_cp_share.py"],
+    "megapack/core/cp_share.py": ["tests/unit/test_cp_indices.py", "tests/unit/test_cp_share.py"],
     "megapack/core/seq_params.py": [
         "tests/unit/test_seq_params.py",
         "tests/unit/test_megatron_batches.py",

@@ -1,4 +1,4 @@
-"""Packed (THD) attention: kernels, backend choice, RoPE, CP; imports torch, numpy, megapack.core.cp, megapack.core.quiet only.
+"""Packed (THD) attention: kernels, backend choice, RoPE, CP; imports torch, numpy, megapack.core.cp_share, megapack.core.quiet only.
 
 Modules:
 

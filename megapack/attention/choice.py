@@ -71,9 +71,14 @@ class Installed:
 
 
 def refusal(
-    name: str, device_type: str, dtype: torch.dtype, *, training: bool, dropout: float,
+    name: str,
+    device_type: str,
+    dtype: torch.dtype,
+    *,
+    training: bool,
+    dropout: float,
     installed: Installed,
-) -> str | None:  # fmt: skip
+) -> str | None:
     """Why backend ``name`` cannot take these inputs, or None when it can.
 
     Example:
@@ -126,7 +131,9 @@ def choose(
     order = BACKENDS if dtype in HALF else ("flex", "sdpa")
     skipped: list[str] = []
     for name in order:
-        why = refusal(name, device_type, dtype, training=training, dropout=dropout, installed=installed)  # fmt: skip
+        why = refusal(
+            name, device_type, dtype, training=training, dropout=dropout, installed=installed
+        )
         if why is None:
             reasons = ", ".join(skipped)
             if name == "torch_varlen" and installed.varlen is not None:
@@ -170,9 +177,13 @@ def resolve_backend(
     if backend == "auto":
         return choose_backend(device, dtype, training=training, dropout=dropout)
     device_type = torch.device(device).type
-    why = refusal(backend, device_type, dtype, training=training, dropout=dropout, installed=_installed())  # fmt: skip
+    why = refusal(
+        backend, device_type, dtype, training=training, dropout=dropout, installed=_installed()
+    )
     if why is not None:
-        auto, _ = choose(device_type, dtype, training=training, dropout=dropout, installed=_installed())  # fmt: skip
+        auto, _ = choose(
+            device_type, dtype, training=training, dropout=dropout, installed=_installed()
+        )
         raise ValueError(
             f"attention backend {backend!r} cannot run {'training ' if training else ''}on "
             f"{device_type} {_name(dtype)}: {why}; use backend='auto' (here: {auto!r})"

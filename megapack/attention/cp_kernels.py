@@ -1,6 +1,6 @@
 """The cross kernels of megapack's context-parallel attention: selected queries x selected keys.
 
-`megapack.attention.cp.cp_attention` hands each kernel the real local queries ``q [Nq, h, d]`` and
+`megapack.attention.cp_attention.cp_attention` hands each kernel the real local queries ``q [Nq, h, d]`` and
 the keys of every segment laid one after another ``k``/``v [Nk, g, d]``, with the plan's segment
 offsets ``cu_q``/``cu_k``; causal is bottom-right aligned within a segment (the last query sees the
 last key). flex runs differently (all local queries x the whole row, `cp_attention`).
@@ -39,9 +39,14 @@ def sdpa_cross(
             for x, a, b in ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1]))
         )
         o = F.scaled_dot_product_attention(
-            seg_q, seg_k, seg_v, attn_mask=allowed, scale=scale, dropout_p=dropout,
+            seg_q,
+            seg_k,
+            seg_v,
+            attn_mask=allowed,
+            scale=scale,
+            dropout_p=dropout,
             enable_gqa=q.shape[1] != k.shape[1],
-        )  # fmt: skip
+        )
         pieces.append(o[0].transpose(0, 1))
     return torch.cat(pieces)
 
@@ -60,9 +65,17 @@ def flash_attn_cross(
     from flash_attn import flash_attn_varlen_func
 
     out = flash_attn_varlen_func(
-        q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
-        dropout_p=dropout, softmax_scale=scale, causal=True,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        plan.cu_q,
+        plan.cu_k,
+        plan.max_q,
+        plan.max_k,
+        dropout_p=dropout,
+        softmax_scale=scale,
+        causal=True,
+    )
     return out
 
 

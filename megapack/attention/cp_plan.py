@@ -1,7 +1,7 @@
-"""`CpPlan`: which local queries of a context-parallel rank attend to which row keys (`megapack.attention.cp`).
+"""`CpPlan`: which local queries of a context-parallel rank attend to which row keys (`megapack.attention.cp_attention`).
 
 Built once per micro-batch from the whole row's boundaries (`plan_for` caches it on the
-``packed_seq_params``), shared by `megapack.attention.cp`'s gather and the cross kernels
+``packed_seq_params``), shared by `megapack.attention.cp_attention`'s gather and the cross kernels
 (`megapack.attention.cp_kernels`).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megapack.core.cp import CpLayout, cp_indices, position_documents
+from megapack.core.cp_share import CpLayout, cp_indices, position_documents
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +92,9 @@ class CpPlan:
             cu_k[:-1], len_k, output_size=nk
         )
         k_index = torch.repeat_interleave(first_key, len_k, output_size=nk) + within
-        order = torch.stack([
-            cp_indices(cu, cp_size, r, layout=layout, total=total) for r in range(cp_size)
-        ])  # fmt: skip
+        order = torch.stack(
+            [cp_indices(cu, cp_size, r, layout=layout, total=total) for r in range(cp_size)]
+        )
         return cls(
             order=order,
             starts=doc_start,
@@ -137,8 +137,9 @@ def plan_for(
     for (cached_key, cached_real), plan in cache[1]:
         if cached_key == key and cached_real is cu_real:
             return plan
-    plan = CpPlan.build(cu_buffer, cu_real, cp_size=cp_size, cp_rank=cp_rank, layout=layout,
-                        local_total=local_total)  # fmt: skip
+    plan = CpPlan.build(
+        cu_buffer, cu_real, cp_size=cp_size, cp_rank=cp_rank, layout=layout, local_total=local_total
+    )
     cache[1].append(((key, cu_real), plan))
     return plan
 

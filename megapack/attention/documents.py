@@ -2,7 +2,7 @@
 
 megatron-core hands every layer the same ``packed_seq_params``; `Documents.from_params` caches one
 `Documents` on it (keyed by the identity and version of the boundary tensors, as
-`megapack.attention.cp.plan_for` caches the CP plan), so what the kernels derive from the boundaries
+`megapack.attention.cp_attention.plan_for` caches the CP plan), so what the kernels derive from the boundaries
 is computed by the first layer and reused by every other layer and by the backward pass:
 
     segment_ids / offsets / real   [T] on the device, no host read (searchsorted over the boundaries)

@@ -100,9 +100,14 @@ def interval_block_mask(
     kv_num, kv_idx = _ordered(partial)
     full_num, full_idx = _ordered(full)
     return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=block,
+        mask_mod=mask_mod,
         seq_lengths=(q_len, kv_len),
-    )  # fmt: skip
+    )
 
 
 def document_block_mask(docs: Documents, device: torch.device) -> Any:
@@ -110,7 +115,9 @@ def document_block_mask(docs: Documents, device: torch.device) -> Any:
     key = ("flex_mask", device)
     if key not in docs.memo:
         positions = torch.arange(docs.total, device=device)
-        lo, hi, extra = document_intervals(positions, docs.cu_buffer.to(device), docs.cu_real.to(device))  # fmt: skip
+        lo, hi, extra = document_intervals(
+            positions, docs.cu_buffer.to(device), docs.cu_real.to(device)
+        )
         docs.memo[key] = interval_block_mask(lo, hi, extra, docs.total)
     return docs.memo[key]
 
@@ -130,9 +137,13 @@ def run_flex(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
         out = compiled_flex(q.device.type)(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-        )  # fmt: skip
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
     return cast(torch.Tensor, out)[0].transpose(0, 1)
 
 

@@ -33,9 +33,14 @@ def sdpa_attention(
         a, n, width = starts[i], ends[i + 1] - ends[i], starts[i + 1] - starts[i]
         # 4-D [1, heads, n, dim]: 3-D inputs fall back to the math kernel on CPU (measured 5x slower)
         o = F.scaled_dot_product_attention(
-            q[None, a : a + n].transpose(1, 2), k[None, a : a + n].transpose(1, 2), v[None, a : a + n].transpose(1, 2),
-            is_causal=True, scale=scale, dropout_p=dropout, enable_gqa=gqa,
-        )  # fmt: skip
+            q[None, a : a + n].transpose(1, 2),
+            k[None, a : a + n].transpose(1, 2),
+            v[None, a : a + n].transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            dropout_p=dropout,
+            enable_gqa=gqa,
+        )
         pieces.append(o[0].transpose(0, 1))
         if width > n:
             pieces.append(q.new_zeros(width - n, q.shape[1], v.shape[2]))
@@ -61,9 +66,17 @@ def flash_attn_attention(
 
     cu = docs.cu_buffer.to(torch.int32)
     out = flash_attn_varlen_func(
-        q, k, v, cu, cu, docs.max_seqlen, docs.max_seqlen,
-        dropout_p=dropout, softmax_scale=scale, causal=True,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        docs.max_seqlen,
+        docs.max_seqlen,
+        dropout_p=dropout,
+        softmax_scale=scale,
+        causal=True,
+    )
     return zero_padding(out, docs)
 
 
@@ -89,7 +102,13 @@ def sbhd_attention(
     qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, heads, s, hn]
     allowed = None if mask is None else ~mask.to(torch.bool)
     out = F.scaled_dot_product_attention(
-        qb, kb, vb, attn_mask=allowed, is_causal=mask is None, scale=scale, dropout_p=dropout,
+        qb,
+        kb,
+        vb,
+        attn_mask=allowed,
+        is_causal=mask is None,
+        scale=scale,
+        dropout_p=dropout,
         enable_gqa=q.shape[2] != k.shape[2],
-    )  # fmt: skip
+    )
     return out.permute(2, 0, 1, 3).reshape(s, b, -1)

@@ -31,13 +31,13 @@ import torch
 import torch.distributed as dist
 
 from megapack.attention.choice import BACKENDS, resolve_backend
-from megapack.attention.cp import cp_attention, sbhd_cp_attention
+from megapack.attention.cp_attention import cp_attention, sbhd_cp_attention
 from megapack.attention.cp_plan import plan_for
 from megapack.attention.documents import Documents
 from megapack.attention.kernels import KERNELS, sbhd_attention
 from megapack.attention.rope import RopeTables, apply_rope, handed_over
 from megapack.attention.te import te_attention
-from megapack.core.cp import CP_LAYOUTS, CpLayout
+from megapack.core.cp_share import CP_LAYOUTS, CpLayout
 
 
 class PackedAttention(torch.nn.Module):
@@ -51,11 +51,11 @@ class PackedAttention(torch.nn.Module):
         softmax_scale: defaults to 1 / sqrt(head dim).
         backend: one of `BACKENDS` or ``"auto"`` (resolved per device on first use).
         cp_layout: how packed rows are split over context-parallel ranks ("document" or "row",
-            as in `megapack.core.cp`); only read when the CP group has more than one rank.
+            as in `megapack.core.cp_share`); only read when the CP group has more than one rank.
 
     Context parallelism: the CP group is ``packed_seq_params.cp_group``, else ``pg_collection.cp``,
     else megatron-core's parallel state. With more than one CP rank, Transformer Engine runs its
-    own THD CP ("document" layout only); every other backend runs `megapack.attention.cp`.
+    own THD CP ("document" layout only); every other backend runs `megapack.attention.cp_attention`.
 
     RoPE: when `megapack.megatron`'s self-attention has handed the tables over on
     ``packed_seq_params`` (`megapack.attention.rope.hand_over`), q and k are rotated here by each
@@ -143,7 +143,15 @@ class PackedAttention(torch.nn.Module):
         group = self.context_parallel_group(packed_seq_params)
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             if group is not None:
-                return sbhd_cp_attention(query, key, value, attention_mask, group=group, scale=self.softmax_scale, dropout=dropout)  # fmt: skip
+                return sbhd_cp_attention(
+                    query,
+                    key,
+                    value,
+                    attention_mask,
+                    group=group,
+                    scale=self.softmax_scale,
+                    dropout=dropout,
+                )
             return sbhd_attention(query, key, value, attention_mask, self.softmax_scale, dropout)
         if query.dim() != 3:
             raise ValueError(f"THD query must be [T, heads, dim], got shape {tuple(query.shape)}")
@@ -165,7 +173,15 @@ class PackedAttention(torch.nn.Module):
         if rope is not None:
             query, key = self._rotate(query, key, rope, docs.offsets(), docs)
         if name == "te":
-            out = te_attention(query, key, value, docs, scale=self.softmax_scale, dropout=self.dropout, training=self.training)  # fmt: skip
+            out = te_attention(
+                query,
+                key,
+                value,
+                docs,
+                scale=self.softmax_scale,
+                dropout=self.dropout,
+                training=self.training,
+            )
         else:
             out = KERNELS[name](query, key, value, docs, self.softmax_scale, dropout)
         return out.reshape(query.shape[0], -1)
@@ -181,31 +197,60 @@ class PackedAttention(torch.nn.Module):
         return group if group is not None and dist.get_world_size(group) > 1 else None
 
     def _cp_forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Any, docs: Documents,
-        group: Any, name: str, rope: Any, dropout: float,
-    ) -> torch.Tensor:  # fmt: skip
-        """THD attention of this CP rank's share (see `megapack.attention.cp`)."""
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        params: Any,
+        docs: Documents,
+        group: Any,
+        name: str,
+        rope: Any,
+        dropout: float,
+    ) -> torch.Tensor:
+        """THD attention of this CP rank's share (see `megapack.attention.cp_attention`)."""
         if name == "te" and self.cp_layout != "document":
             raise ValueError(
                 f"Transformer Engine's THD context parallelism needs cp_layout='document', got "
                 f"{self.cp_layout!r}; use another backend for the row layout"
             )
         plan = plan_for(
-            params, docs.cu_buffer, docs.cu_real, cp_size=dist.get_world_size(group),
-            cp_rank=dist.get_rank(group), layout=self.cp_layout, local_total=q.shape[0],
-        )  # fmt: skip
+            params,
+            docs.cu_buffer,
+            docs.cu_real,
+            cp_size=dist.get_world_size(group),
+            cp_rank=dist.get_rank(group),
+            layout=self.cp_layout,
+            local_total=q.shape[0],
+        )
         if rope is not None:
             q, k = self._rotate(q, k, rope, plan.offsets, docs)
         if name == "te":
-            out = te_attention(q, k, v, docs, scale=self.softmax_scale, dropout=self.dropout, training=self.training, cp_group=group, cp_comm_type=self.cp_comm_type)  # fmt: skip
+            out = te_attention(
+                q,
+                k,
+                v,
+                docs,
+                scale=self.softmax_scale,
+                dropout=self.dropout,
+                training=self.training,
+                cp_group=group,
+                cp_comm_type=self.cp_comm_type,
+            )
         else:
-            out = cp_attention(q, k, v, plan, group=group, kernel=name, scale=self.softmax_scale, dropout=dropout)  # fmt: skip
+            out = cp_attention(
+                q, k, v, plan, group=group, kernel=name, scale=self.softmax_scale, dropout=dropout
+            )
         return out.reshape(q.shape[0], -1)
 
     def _rotate(
-        self, q: torch.Tensor, k: torch.Tensor, rope: RopeTables, positions: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        rope: RopeTables,
+        positions: torch.Tensor,
         docs: Documents,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rotated by the handed-over tables at ``positions`` (per-token, on the device)."""
         inter, mscale = self.rotary_interleaved, rope.mscale
         if rope.q is not None:

@@ -106,9 +106,12 @@ def apply_rope(
 
 
 def _cos_sin(
-    table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, mscale: float,
+    table: torch.Tensor,
+    positions: torch.Tensor,
+    dtype: torch.dtype,
+    mscale: float,
     docs: Documents | None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     key = ("rope", id(table), id(positions), dtype, mscale)
     hit = None if docs is None else docs.memo.get(key)
     if hit is not None:

@@ -16,7 +16,7 @@ Each measured mode is a row: ``config`` (what the modes share, e.g. ``"openchat,
                                   gain if time followed executed FLOPs
     packed_tflops, baseline_tflops   executed FLOPs per second (median step) of each
     mfu                           packing's useful (model) FLOPs per second over the device's
-                                  bf16 dense peak (`megapack.bench.devices`); None when unknown
+                                  bf16 dense peak (`megapack.bench.gpu.devices`); None when unknown
     mfu_of_matmul                 the same over the measured matmul rate, beside it
 
 Example:
@@ -33,15 +33,13 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from megapack.bench.gpu.report import THROUGHPUT_KEYS
 from megapack.bench.layouts import BASELINES, LABELS
 
 NOISY = 0.10
 """A ratio whose (max - min) / median exceeds this is reported as noisy."""
-ENTRY_KEYS = (
-    "config", "baseline", "packed_tokens_per_s", "baseline_tokens_per_s", "ratio", "ratio_min",
-    "ratio_max", "spread", "noisy", "slot_ratio", "flop_ideal", "packed_tflops", "baseline_tflops",
-    "mfu", "mfu_of_matmul",
-)  # fmt: skip
+ENTRY_KEYS = THROUGHPUT_KEYS
+"""The keys of every entry, as the GPU kit's report writes them."""
 
 
 def summarize(
@@ -65,9 +63,13 @@ def summarize(
 
 
 def _entry(
-    config: str, mode: str, packed: dict[str, Any], base: dict[str, Any],
-    peak: float | None, matmul: float | None,
-) -> dict[str, Any]:  # fmt: skip
+    config: str,
+    mode: str,
+    packed: dict[str, Any],
+    base: dict[str, Any],
+    peak: float | None,
+    matmul: float | None,
+) -> dict[str, Any]:
     entry: dict[str, Any] = dict.fromkeys(ENTRY_KEYS)
     entry |= {"config": config, "baseline": LABELS[mode]}
     if packed:

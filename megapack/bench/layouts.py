@@ -38,7 +38,7 @@ import torch
 from megapack.core.batch import PackedBatch
 
 if TYPE_CHECKING:
-    from megapack.bench.gpu_model import GptShape
+    from megapack.bench.gpu.model import GptShape
 
 MODES = ("packed", "padded_fixed", "grouped", "ceiling", "padded_longest")
 LABELS = {
@@ -73,8 +73,10 @@ def micro_batches(
             texts = [np.concatenate([docs[i][a:b] for i, a, b in row]) for row in bins]
             texts += [np.zeros(1, dtype=np.int64)] * filler
             return [_plain(texts[i : i + rows], seq_len) for i in range(0, len(texts), rows)]
-        packed = [PackedBatch.from_documents([docs[i][a:b] for i, a, b in row], seq_len=seq_len)
-                  for row in bins]  # fmt: skip
+        packed = [
+            PackedBatch.from_documents([docs[i][a:b] for i, a, b in row], seq_len=seq_len)
+            for row in bins
+        ]
         packed += [PackedBatch.from_documents([[0]], seq_len=seq_len)] * filler  # zero-loss
         return [PackedBatch.concat(packed[i : i + rows]) for i in range(0, len(packed), rows)]
     if mode == "padded_fixed":

@@ -106,12 +106,30 @@ def throughput_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> st
         if e["ratio"] is not None:
             ratio = f"{e['ratio']:.2f} [{e['ratio_min']:.2f}, {e['ratio_max']:.2f}]"
             ratio += " noisy" if e["noisy"] else ""
-        body.append([e["config"], e["baseline"], _fmt(e["packed_tokens_per_s"], "{:,.0f}"),
-                     _fmt(e["baseline_tokens_per_s"], "{:,.0f}"), ratio, _fmt(e["slot_ratio"], "{:.2f}"),
-                     _fmt(e["flop_ideal"], "{:.2f}"), _fmt(_giga(e["packed_tflops"]), "{:.2f}"),
-                     _fmt(_giga(e["baseline_tflops"]), "{:.2f}")])  # fmt: skip
-    head = ["dataset", "baseline", "packed tokens/s", "baseline tokens/s", "ratio [min, max]",
-            "slot ratio", "FLOP ideal", "packed GFLOP/s", "baseline GFLOP/s"]  # fmt: skip
+        body.append(
+            [
+                e["config"],
+                e["baseline"],
+                _fmt(e["packed_tokens_per_s"], "{:,.0f}"),
+                _fmt(e["baseline_tokens_per_s"], "{:,.0f}"),
+                ratio,
+                _fmt(e["slot_ratio"], "{:.2f}"),
+                _fmt(e["flop_ideal"], "{:.2f}"),
+                _fmt(_giga(e["packed_tflops"]), "{:.2f}"),
+                _fmt(_giga(e["baseline_tflops"]), "{:.2f}"),
+            ]
+        )
+    head = [
+        "dataset",
+        "baseline",
+        "packed tokens/s",
+        "baseline tokens/s",
+        "ratio [min, max]",
+        "slot ratio",
+        "FLOP ideal",
+        "packed GFLOP/s",
+        "baseline GFLOP/s",
+    ]
     steps = settings.get("throughput_steps")
     note = f"\n\nRatios: the median of {steps} timed steps [min, max]." if steps else ""
     return _table(head, body) + note
@@ -137,18 +155,30 @@ def packing_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
                 target = f">= {best:.2%} within {limit:g} s: {'met' if ok else 'not met'}"
             elif r["algorithm"].startswith("streaming"):
                 target = f">= 99%: {'met' if r['efficiency'] >= 0.99 else 'not met'}"
-            body.append([r["dataset"], r["algorithm"], f"{r['rows']:,}", f"{r['efficiency']:.2%}",
-                         f"{r['seconds']:.2f}", target])  # fmt: skip
+            body.append(
+                [
+                    r["dataset"],
+                    r["algorithm"],
+                    f"{r['rows']:,}",
+                    f"{r['efficiency']:.2%}",
+                    f"{r['seconds']:.2f}",
+                    target,
+                ]
+            )
         else:  # the O(n) row: lognormal lengths, bfd, memory traced
             n = int(r["dataset"].rsplit("-", 1)[1].replace(",", ""))
             seconds_limit = 2.0 * n / 1_000_000
             ok = r["seconds"] < seconds_limit
-            body.append([
-                f"lognormal {n:,} (capacity {r['capacity']:,})", r["algorithm"],
-                f"{r['rows']:,} (bound {r['lower_bound']:,})", f"{r['efficiency']:.3%}",
-                f"{r['seconds']:.2f}, {r['peak_mib']:.0f} MiB peak",
-                f"< {seconds_limit:g} s (2 s per 1M lengths), O(n): {'met' if ok else 'not met'}",
-            ])  # fmt: skip
+            body.append(
+                [
+                    f"lognormal {n:,} (capacity {r['capacity']:,})",
+                    r["algorithm"],
+                    f"{r['rows']:,} (bound {r['lower_bound']:,})",
+                    f"{r['efficiency']:.3%}",
+                    f"{r['seconds']:.2f}, {r['peak_mib']:.0f} MiB peak",
+                    f"< {seconds_limit:g} s (2 s per 1M lengths), O(n): {'met' if ok else 'not met'}",
+                ]
+            )
     return _table(["dataset", "algorithm", "rows", "efficiency", "seconds", "target"], body)
 
 

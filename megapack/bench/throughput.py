@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megapack.bench.gpu_model import GptShape
+from megapack.bench.gpu.model import GptShape
 from megapack.bench.layouts import MODES, layout_cost, micro_batches
 from megapack.harness.gpt import TinyGPT, forward_step, init_weights
 
@@ -69,10 +69,22 @@ def _run_throughput(
         megatron_on_cpu()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(seed)
-    gpt = TinyGPT(num_layers=2 * pp, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                  num_query_groups=GROUPS, vocab_size=VOCAB, max_sequence_length=seq_len)  # fmt: skip
-    shape = GptShape(num_layers=2 * pp, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                     num_query_groups=GROUPS, ffn_hidden_size=4 * HIDDEN, vocab_size=VOCAB)  # fmt: skip
+    gpt = TinyGPT(
+        num_layers=2 * pp,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        vocab_size=VOCAB,
+        max_sequence_length=seq_len,
+    )
+    shape = GptShape(
+        num_layers=2 * pp,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        ffn_hidden_size=4 * HIDDEN,
+        vocab_size=VOCAB,
+    )
     model = gpt.build()
     init_weights(model, seed)
     model.config.variable_seq_lengths = True  # padded micro-batches change shape
@@ -96,12 +108,13 @@ def _run_throughput(
                 optimizer.zero_grad()
                 schedule(
                     forward_step_func=functools.partial(forward_step, topology),
-                    data_iterator=iter(batches) if topology.is_source else None, model=[model],
+                    data_iterator=iter(batches) if topology.is_source else None,
+                    model=[model],
                     num_microbatches=len(batches),
                     seq_length=rows * seq_len if plain is None else int(plain["tokens"].shape[1]),
                     micro_batch_size=1 if plain is None else int(plain["tokens"].shape[0]),
                     forward_only=False,
-                )  # fmt: skip
+                )
                 optimizer.step()
                 if cuda:
                     torch.cuda.synchronize()
@@ -110,12 +123,22 @@ def _run_throughput(
                 if step >= warmup:
                     times.append(elapsed.item())
             step_s = statistics.median(times)
-            results.append({
-                "config": name, "dataset": name, "mode": mode, "status": "ok", "step_times": times,
-                "step_s": step_s, "tokens": sum(lengths), "tokens_per_s": sum(lengths) / step_s,
-                "slots": cost.slots, "efficiency": sum(lengths) / cost.slots,
-                "useful_flops": shape.training_flops(lengths),
-                "executed_flops": cost.executed_flops(shape), "documents": len(docs),
-                "micro_batches": len(batches),
-            })  # fmt: skip
+            results.append(
+                {
+                    "config": name,
+                    "dataset": name,
+                    "mode": mode,
+                    "status": "ok",
+                    "step_times": times,
+                    "step_s": step_s,
+                    "tokens": sum(lengths),
+                    "tokens_per_s": sum(lengths) / step_s,
+                    "slots": cost.slots,
+                    "efficiency": sum(lengths) / cost.slots,
+                    "useful_flops": shape.training_flops(lengths),
+                    "executed_flops": cost.executed_flops(shape),
+                    "documents": len(docs),
+                    "micro_batches": len(batches),
+                }
+            )
     return results

@@ -45,13 +45,13 @@ import torch.distributed as dist
 
 from megapack.core.batch import PackedBatch
 from megapack.core.fields import BatchField, Stage, schema_of
-from megapack.core.items import normalize
+from megapack.core.normalize import normalize
 from megapack.delivery.get_batch import get_batch_on_this_tp_rank
 from megapack.delivery.prefetch import prefetch
 from megapack.delivery.transport import use_transport
 from megapack.delivery.wire import encode
-from megapack.distributed.grid import grid_topology
 from megapack.distributed.topology import Topology
+from megapack.harness.grid import grid_topology
 
 METHODS = ("megapack", "megapack_collectives", "megapack_fields", "per_tensor", "bare_megatron")
 RL_FIELDS = tuple(
@@ -67,10 +67,18 @@ TARGETS = {
     "step_vs_compute": 1.05,  # with prefetch, step time <= compute + 5%
 }
 JSON_KEYS = (
-    "tp", "seq_len", "documents", "payload_bytes", "fields_payload_bytes", "megatron_bytes",
+    "tp",
+    "seq_len",
+    "documents",
+    "payload_bytes",
+    "fields_payload_bytes",
+    "megatron_bytes",
     "bytes_per_stage",
-    *(f"{m}_ms" for m in METHODS), "compute_ms", "prefetch_blocked_ms", "prefetch_step_ms",
-)  # fmt: skip
+    *(f"{m}_ms" for m in METHODS),
+    "compute_ms",
+    "prefetch_blocked_ms",
+    "prefetch_step_ms",
+)
 
 
 def sample_batch(seq_len: int, seed: int = 0) -> PackedBatch:

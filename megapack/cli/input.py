@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from megapack.cli.report import plural
+from megapack.cli.pack_report import plural
 
 T = TypeVar("T")
 READER_FLAGS = {"skip_bad": "--skip-bad", "eos_id": "--eos-id"}

@@ -30,9 +30,14 @@ class Progress:
     """
 
     def __init__(
-        self, label: str, *, stream: IO[str] | None = None, every_s: float = 10.0,
-        input_bytes: int | None = None, tty: bool | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        label: str,
+        *,
+        stream: IO[str] | None = None,
+        every_s: float = 10.0,
+        input_bytes: int | None = None,
+        tty: bool | None = None,
+    ) -> None:
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
         self.every_s = every_s

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 from megapack.cli.input import SHAPE_FLAGS, read_lengths
-from megapack.cli.report import plural
+from megapack.cli.pack_report import plural
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from megapack.core.cp import cp_pad_multiple
+    from megapack.core.cp_share import cp_pad_multiple
     from megapack.packing import plan
 
     lengths, pieces, note = read_lengths(args)
@@ -28,12 +28,19 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(f"{args.input}: no documents", file=sys.stderr)
         return 1
     figures: dict[str, Any] = {
-        "input": args.input, "seq_len": args.seq_len, "documents": len(lengths),
-        "tokens": int(lengths.sum()), "length_min": int(lengths.min()),
-        "length_median": float(np.median(lengths)), "length_max": int(lengths.max()),
-    }  # fmt: skip
-    print(f"{plural(len(lengths), 'document')}, {plural(int(lengths.sum()), 'token')}; length min {lengths.min()}, "
-          f"median {int(np.median(lengths))}, mean {lengths.mean():.1f}, max {lengths.max()}" + (f"; {note}" if note else ""))  # fmt: skip
+        "input": args.input,
+        "seq_len": args.seq_len,
+        "documents": len(lengths),
+        "tokens": int(lengths.sum()),
+        "length_min": int(lengths.min()),
+        "length_median": float(np.median(lengths)),
+        "length_max": int(lengths.max()),
+    }
+    print(
+        f"{plural(len(lengths), 'document')}, {plural(int(lengths.sum()), 'token')}; length min {lengths.min()}, "
+        f"median {int(np.median(lengths))}, mean {lengths.mean():.1f}, max {lengths.max()}"
+        + (f"; {note}" if note else "")
+    )
     print("\nlength histogram")
     edges = np.unique(np.geomspace(1, max(int(lengths.max()), 2), 12).astype(int))
     counts, _ = np.histogram(lengths, bins=np.append(edges, lengths.max() + 1))
@@ -42,9 +49,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     real = int(lengths.sum())
     planned = -(-pieces // multiple) * multiple  # pack's rows: long documents split, padded
     if multiple > 1:
-        print(f"\ndocuments padded to multiples of {multiple} (cp_size={args.cp_size}, pad multiple "
-              f"{args.pad_to_multiple_of}): +{int(planned.sum()) - real:,} tokens ({int(planned.sum()) / real - 1:.2%}); "
-              "efficiency below counts real tokens only")  # fmt: skip
+        print(
+            f"\ndocuments padded to multiples of {multiple} (cp_size={args.cp_size}, pad multiple "
+            f"{args.pad_to_multiple_of}): +{int(planned.sum()) - real:,} tokens ({int(planned.sum()) / real - 1:.2%}); "
+            "efficiency below counts real tokens only"
+        )
     print(f"\npacking at seq_len {args.seq_len:,}")
     print("| algorithm | rows | efficiency | seconds |\n| --- | --- | --- | --- |")
     results = {}
@@ -119,12 +128,17 @@ def _suggest_cap(
     capped = plan(planned, args.seq_len, algorithm="bfd", max_documents=cap)
     kept = float((per_row <= cap).mean())
     efficiency = _real_efficiency(capped, real, planned, args.seq_len)
-    print(f"\nstatic shapes (CUDA graphs): --max-documents {cap} keeps {kept:.2%} of the rows as they "
-          f"are; capped: {plural(capped.num_bins, 'row')} (+{capped.num_bins - result.num_bins:,}), "
-          f"{efficiency:.2%} efficiency; a micro-batch of R rows then has at most R x {cap + 1} "
-          "segments (megapack.core.static.segments_for)")  # fmt: skip
-    return {"suggested_max_documents": cap, "rows_at_suggested_cap": capped.num_bins,
-            "rows_kept_at_suggested_cap": kept}  # fmt: skip
+    print(
+        f"\nstatic shapes (CUDA graphs): --max-documents {cap} keeps {kept:.2%} of the rows as they "
+        f"are; capped: {plural(capped.num_bins, 'row')} (+{capped.num_bins - result.num_bins:,}), "
+        f"{efficiency:.2%} efficiency; a micro-batch of R rows then has at most R x {cap + 1} "
+        "segments (megapack.core.static.segments_for)"
+    )
+    return {
+        "suggested_max_documents": cap,
+        "rows_at_suggested_cap": capped.num_bins,
+        "rows_kept_at_suggested_cap": kept,
+    }
 
 
 def _cost_flags(args: argparse.Namespace) -> list[str]:
@@ -165,11 +179,18 @@ def _balance_report(args: argparse.Namespace, lengths: np.ndarray) -> dict[str, 
     dp = 1 if args.dp is None else args.dp
     m = 1 if args.micro_batches is None else args.micro_batches
     r = compare_plans(
-        lengths, args.seq_len, dp_size=dp, micro_batches=m,
-        rows_per_micro_batch=args.rows_per_micro_batch, cost=cost, seed=args.seed,
-    )  # fmt: skip
-    print(f"\ndata-parallel balance: dp {dp}, {m} micro-batches of {args.rows_per_micro_batch} row(s)"
-          f" per rank per step, {r['global_batches']:,} full global batches; cost {label}")  # fmt: skip
+        lengths,
+        args.seq_len,
+        dp_size=dp,
+        micro_batches=m,
+        rows_per_micro_batch=args.rows_per_micro_batch,
+        cost=cost,
+        seed=args.seed,
+    )
+    print(
+        f"\ndata-parallel balance: dp {dp}, {m} micro-batches of {args.rows_per_micro_batch} row(s)"
+        f" per rank per step, {r['global_batches']:,} full global batches; cost {label}"
+    )
     print("| plan | imbalance (max / mean rank cost) | efficiency |\n| --- | --- | --- |")
     for mode in BALANCE_MODES:
         print(

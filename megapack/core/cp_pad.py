@@ -1,10 +1,10 @@
 """`cp_pad_multiple`: the multiple each document is padded to under context parallelism, torch-free.
 
 Transformer Engine's THD context parallelism cuts every document into ``2 * cp`` equal chunks
-(`megapack.core.cp`, "document" layout), so each document's span must be a multiple of ``2 * cp``, and of
+(`megapack.core.cp_share`, "document" layout), so each document's span must be a multiple of ``2 * cp``, and of
 any ``pad_to_multiple_of`` the caller asks for: their lcm. Its own module so that planning and
-``megapack pack`` (`megapack.data.layout`) read it without importing torch, which `megapack.core.cp`
-needs for everything else; `megapack.core.cp` re-exports it.
+``megapack pack`` (`megapack.data.layout`) read it without importing torch, which `megapack.core.cp_share`
+needs for everything else; `megapack.core.cp_share` re-exports it.
 
 Worked example: cp 4 -> 8; cp 2 with pad_to_multiple_of 8 -> lcm(8, 4) = 8; cp 1 -> pad_to_multiple_of.
 """

@@ -1,7 +1,7 @@
 """Every field a batch carries, as data: one `BatchField` declaration each, built in or a trainer's own.
 
 A declaration says what a field is *per*, its dtype and which pipeline stages get it; everything
-else follows from those: how the TP source checks it (`megapack.core.items`), how a CP rank takes
+else follows from those: how the TP source checks it (`megapack.core.normalize`), how a CP rank takes
 its share (`share`), where it sits in a frame and in the header (`megapack.delivery.wire`).
 
     per        shape in a THD batch          a CP rank keeps                  e.g.
@@ -201,6 +201,11 @@ def _schema(declared: tuple[BatchField, ...]) -> Schema:
     text = ";".join(f"{f.name}:{f.per}:{f.dtype}:{f.stages}" for f in fields)
     key = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
     by_stage = {s: tuple(f for f in fields if s in f.stage_set) for s in Stage}
-    return Schema(fields=fields, declared=declared, key=key, by_stage=by_stage,
-                  names=tuple(f.name for f in fields),
-                  output_keys=(*OUTPUT_KEYS, *(f.name for f in declared)))  # fmt: skip
+    return Schema(
+        fields=fields,
+        declared=declared,
+        key=key,
+        by_stage=by_stage,
+        names=tuple(f.name for f in fields),
+        output_keys=(*OUTPUT_KEYS, *(f.name for f in declared)),
+    )

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from megapack.core.batch import PackedBatch
-from megapack.core.cp import CpLayout, local_documents
+from megapack.core.cp_share import CpLayout, local_documents
 from megapack.core.fields import BatchField
 from megapack.core.rows import grid_tensor, merge_rows
 

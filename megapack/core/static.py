@@ -63,13 +63,21 @@ def segments_for(max_documents: int, rows_per_micro_batch: int = 1) -> int:
 
 def static_batch(batch: Any, shape: StaticShape) -> Any:
     """A `megapack.PackedBatch` in ``shape`` (its boundaries and per-segment extras padded)."""
-    values = {"cu_seqlens": batch.cu_seqlens, "cu_seqlens_padded": batch.cu_seqlens_padded,
-              "max_seqlen": batch.max_seqlen, **batch.extras}  # fmt: skip
+    values = {
+        "cu_seqlens": batch.cu_seqlens,
+        "cu_seqlens_padded": batch.cu_seqlens_padded,
+        "max_seqlen": batch.max_seqlen,
+        **batch.extras,
+    }
     padded = pad_static(values, shape)
     extras = {k: padded[k] for k in batch.extras}
-    return dataclasses.replace(batch, cu_seqlens=padded["cu_seqlens"], extras=extras,
-                               cu_seqlens_padded=padded["cu_seqlens_padded"],
-                               max_seqlen=padded["max_seqlen"]).validate()  # fmt: skip
+    return dataclasses.replace(
+        batch,
+        cu_seqlens=padded["cu_seqlens"],
+        extras=extras,
+        cu_seqlens_padded=padded["cu_seqlens_padded"],
+        max_seqlen=padded["max_seqlen"],
+    ).validate()
 
 
 def pad_static(values: Mapping[str, Any], shape: StaticShape) -> dict[str, Any]:

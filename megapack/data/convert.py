@@ -83,17 +83,22 @@ class DocumentBatch:
         """Document ``d`` (views of the batch's arrays, validated as any Document)."""
         a, b = int(self.offsets[d]), int(self.offsets[d + 1])
         return Document(
-            tokens=self.tokens[a:b], loss_mask=self.loss_mask[a:b],
-            boundaries=self.boundaries[d], source=self.sources[d],
-        )  # fmt: skip
+            tokens=self.tokens[a:b],
+            loss_mask=self.loss_mask[a:b],
+            boundaries=self.boundaries[d],
+            source=self.sources[d],
+        )
 
     def head(self, d: int) -> DocumentBatch:
         """The first ``d`` documents, without errors (what comes before the first bad row)."""
         end = int(self.offsets[d])
         return DocumentBatch(
-            tokens=self.tokens[:end], loss_mask=self.loss_mask[:end],
-            offsets=self.offsets[: d + 1], boundaries=self.boundaries[:d], sources=self.sources[:d],
-        )  # fmt: skip
+            tokens=self.tokens[:end],
+            loss_mask=self.loss_mask[:end],
+            offsets=self.offsets[: d + 1],
+            boundaries=self.boundaries[:d],
+            sources=self.sources[:d],
+        )
 
 
 def convert_rows(
@@ -146,9 +151,11 @@ def parse_rows(rows: Sequence[RawRow], options: dict[str, Any]) -> ParsedRows:
 
 
 def build_batch(
-    parsed: ParsedRows, tokenizer: Tokenizer, options: dict[str, Any],
+    parsed: ParsedRows,
+    tokenizer: Tokenizer,
+    options: dict[str, Any],
     ids: list[list[int]] | None = None,
-) -> DocumentBatch:  # fmt: skip
+) -> DocumentBatch:
     """Encode the plain rows' texts in one call (unless ``ids`` has them: `encode_all` of
     ``parsed.texts``), convert the others, lay the documents out."""
     rows, plan, texts, plain = parsed
@@ -208,9 +215,13 @@ def build_batch(
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return DocumentBatch(
-        tokens=tokens.astype(np.int64, copy=False), loss_mask=mask, offsets=offsets,
-        boundaries=tuple(boundaries), sources=tuple(sources), errors=tuple(errors),
-    )  # fmt: skip
+        tokens=tokens.astype(np.int64, copy=False),
+        loss_mask=mask,
+        offsets=offsets,
+        boundaries=tuple(boundaries),
+        sources=tuple(sources),
+        errors=tuple(errors),
+    )
 
 
 def _plain_keys(record: Any, fmt: str, fields: Fields) -> tuple[str, ...] | None:

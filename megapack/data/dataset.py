@@ -47,6 +47,7 @@ from megapack.core.loss_fields import (
 )
 from megapack.data.document import Document
 from megapack.data.layout import FORMAT_VERSION, check_layout, plan_layout
+from megapack.data.resume import DatasetIterator
 from megapack.data.split import split_document
 from megapack.packing.names import BALANCE_MODES, LONG_DOC_POLICIES
 
@@ -126,9 +127,16 @@ class PackedDataset:
             docs = [piece for doc_pieces in pieces for piece in doc_pieces]
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
         layout, self.meta = plan_layout(
-            lengths, seq_len, multiple=multiple, cp_size=cp_size, algorithm=algorithm,
-            long_docs=long_docs, seed=seed, pad_token_id=pad_token_id, max_documents=max_documents,
-        )  # fmt: skip
+            lengths,
+            seq_len,
+            multiple=multiple,
+            cp_size=cp_size,
+            algorithm=algorithm,
+            long_docs=long_docs,
+            seed=seed,
+            pad_token_id=pad_token_id,
+            max_documents=max_documents,
+        )
         self.meta.update(counts)  # what `megapack pack` reports: inputs, and how many were split
         self._arrays = {
             "tokens": np.concatenate([d.tokens for d in docs]),
@@ -137,9 +145,16 @@ class PackedDataset:
             "origins": origins,
         }
         self._configure(
-            rows_per_micro_batch, dp_rank, dp_size, pad_token_id, balance, micro_batches, cost,
-            loss_fields, split_documents,
-        )  # fmt: skip
+            rows_per_micro_batch,
+            dp_rank,
+            dp_size,
+            pad_token_id,
+            balance,
+            micro_batches,
+            cost,
+            loss_fields,
+            split_documents,
+        )
 
     def _configure(
         self,
@@ -160,9 +175,12 @@ class PackedDataset:
         if balance not in BALANCE_MODES:
             raise ValueError(f"balance={balance!r}; choose one of {BALANCE_MODES}")
         check_balance(
-            balance, dp_size=dp_size, micro_batches=micro_batches,
-            rows_per_micro_batch=rows_per_micro_batch, cost=cost,
-        )  # fmt: skip
+            balance,
+            dp_size=dp_size,
+            micro_batches=micro_batches,
+            rows_per_micro_batch=rows_per_micro_batch,
+            cost=cost,
+        )
         self.balance, self.micro_batches, self.cost = balance, micro_batches, cost
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside dp_size={dp_size}")
@@ -299,10 +317,13 @@ class PackedDataset:
                 else np.zeros(rows)
             )
             self._order = order_rows(
-                costs, balance=self.balance, dp_size=self._plan[0],
-                micro_batches=self._plan[1], rows_per_micro_batch=self.rows_per_micro_batch,
+                costs,
+                balance=self.balance,
+                dp_size=self._plan[0],
+                micro_batches=self._plan[1],
+                rows_per_micro_batch=self.rows_per_micro_batch,
                 seed=(int(self.meta["seed"]), self.epoch),
-            )  # fmt: skip
+            )
         return self._order
 
     def __iter__(self) -> DatasetIterator:
@@ -343,14 +364,24 @@ class PackedDataset:
                 f"micro_batches {self.micro_batches} x rows_per_micro_batch {rows})"
             )
         epoch, done = divmod(consumed_samples // rows, self.padded_micro_batches)
-        return {**self._identity(), "epoch": epoch, "index": done // self.dp_size,
-                "dp_size": self.dp_size, "micro_batches": self.micro_batches,
-                "plan": [self.dp_size, self.micro_batches]}  # fmt: skip
+        return {
+            **self._identity(),
+            "epoch": epoch,
+            "index": done // self.dp_size,
+            "dp_size": self.dp_size,
+            "micro_batches": self.micro_batches,
+            "plan": [self.dp_size, self.micro_batches],
+        }
 
     def _identity(self) -> dict[str, Any]:
         """What a checkpoint's dataset must share with this one to resume it."""
-        return {"version": STATE_VERSION, "rows": int(self.meta["rows"]), "seed": int(self.meta["seed"]),
-                "rows_per_micro_batch": self.rows_per_micro_batch, "balance": self.balance}  # fmt: skip
+        return {
+            "version": STATE_VERSION,
+            "rows": int(self.meta["rows"]),
+            "seed": int(self.meta["seed"]),
+            "rows_per_micro_batch": self.rows_per_micro_batch,
+            "balance": self.balance,
+        }
 
     def _row(self, row: int) -> PackedBatch:
         a = self._arrays
@@ -429,9 +460,16 @@ class PackedDataset:
             dataset._arrays["origins"] = np.load(path / "origins.npy", mmap_mode="r")
         pad = int(meta.get("pad_token_id", 0)) if pad_token_id is None else pad_token_id
         dataset._configure(
-            rows_per_micro_batch, dp_rank, dp_size, pad, balance, micro_batches, cost,
-            loss_fields, split_documents,
-        )  # fmt: skip
+            rows_per_micro_batch,
+            dp_rank,
+            dp_size,
+            pad,
+            balance,
+            micro_batches,
+            cost,
+            loss_fields,
+            split_documents,
+        )
         return dataset
 
 
@@ -449,90 +487,3 @@ def _empty_message(documents: Iterable[Document]) -> str:
             "consumed it, call read_documents again, or keep docs = list(read_documents(...)) to reuse"
         )
     return "documents is empty: nothing to pack"
-
-
-class DatasetIterator:
-    """One rank's micro-batches of a `PackedDataset` in order, resumable from a checkpoint.
-
-    ``state_dict()`` says where the next micro-batch is: the epoch, this rank's next index, the
-    DP layout and the (dp_size, micro_batches) this epoch's order was planned for. A new
-    iterator over the same dataset resumes exactly there with ``load_state_dict``: the next
-    micro-batches are bit for bit those the interrupted run would have had. Behind `megapack.prefetch`,
-    checkpoint the prefetcher's ``state_dict()``, which counts the batches *used*, not the ones
-    fetched ahead.
-
-    A different DP size on resume, with the global batch kept (``dp_size x micro_batches`` the
-    same; Megatron keeps it when fewer nodes take over): the checkpoint must be at a step
-    boundary. Then every global step holds the same micro-batches, in the same global positions
-    (global micro-batch ``j`` of the epoch goes to DP rank ``j % dp_size``), so the same documents
-    in the same order within the step; which rank trains which micro-batch changes. The rest of
-    the epoch keeps the checkpoint's plan (with ``balance="compute"`` it is balanced for the old
-    DP size); the next epoch is planned for the new one.
-
-    Args:
-        dataset: the dataset; its epoch is driven by the iterator (``set_epoch`` at each new one).
-        repeat: go on epoch after epoch (Megatron trains for a number of steps); else stop at the
-            end of the dataset's current epoch.
-    """
-
-    def __init__(self, dataset: PackedDataset, *, repeat: bool = False) -> None:
-        self.dataset = dataset
-        self.repeat = repeat
-        self.index = 0
-        """This rank's next micro-batch within the epoch."""
-
-    def __iter__(self) -> DatasetIterator:
-        return self
-
-    def __next__(self) -> PackedBatch:
-        ds = self.dataset
-        if self.index >= len(ds):
-            if not self.repeat:
-                raise StopIteration
-            ds.set_epoch(ds.epoch + 1)
-            self.index = 0
-        batch = ds[self.index]
-        self.index += 1
-        return batch
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where the next micro-batch is (plain ints: JSON- and torch.save-friendly)."""
-        ds = self.dataset
-        return {**ds._identity(), "epoch": ds.epoch, "index": self.index, "dp_size": ds.dp_size,
-                "micro_batches": ds.micro_batches, "plan": list(ds._plan)}  # fmt: skip
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state`` (`state_dict`'s, from any DP rank of the checkpointed run).
-
-        Raises:
-            ValueError: a state of another dataset (rows, seed, rows per micro-batch, balance,
-                version), another global batch, or a change of DP size away from a step boundary,
-                naming the setting and both values.
-        """
-        ds = self.dataset
-        for key, mine in ds._identity().items():
-            if state.get(key) != mine:
-                raise ValueError(
-                    f"cannot resume: the checkpoint's dataset has {key}={state.get(key)!r}, this "
-                    f"one has {key}={mine!r}"
-                )
-        old_dp, old_m = int(state["dp_size"]), int(state["micro_batches"])
-        if old_dp * old_m != ds.dp_size * ds.micro_batches:
-            raise ValueError(
-                f"cannot resume: the checkpoint's global batch is dp_size {old_dp} x micro_batches "
-                f"{old_m} = {old_dp * old_m} micro-batches, this run's {ds.dp_size} x "
-                f"{ds.micro_batches} = {ds.dp_size * ds.micro_batches}; keep the global batch"
-            )
-        index = int(state["index"])
-        if (old_dp, old_m) != (ds.dp_size, ds.micro_batches):
-            if index % old_m:
-                raise ValueError(
-                    f"cannot resume on dp_size {ds.dp_size}: the checkpoint (dp_size {old_dp}) was "
-                    f"taken after {index % old_m} of a step's {old_m} micro-batches; change the DP "
-                    "size only at a step boundary"
-                )
-            index = index // old_m * ds.micro_batches
-        ds.set_epoch(int(state["epoch"]))
-        ds._plan = (int(state["plan"][0]), int(state["plan"][1]))  # the epoch's order as planned
-        ds._order = None
-        self.index = index

@@ -40,7 +40,11 @@ def check_layout(seq_len: int, pad_to_multiple_of: int, cp_size: int, long_docs:
     """
     from megapack.core.cp_pad import cp_pad_multiple
 
-    for name, value in (("seq_len", seq_len), ("pad_to_multiple_of", pad_to_multiple_of), ("cp_size", cp_size)):  # fmt: skip
+    for name, value in (
+        ("seq_len", seq_len),
+        ("pad_to_multiple_of", pad_to_multiple_of),
+        ("cp_size", cp_size),
+    ):
         check_int(name, value, minimum=1)
     multiple = cp_pad_multiple(cp_size, pad_to_multiple_of)
     if seq_len % multiple:
@@ -57,9 +61,17 @@ def check_layout(seq_len: int, pad_to_multiple_of: int, cp_size: int, long_docs:
 
 
 def plan_layout(
-    lengths: np.ndarray, seq_len: int, *, multiple: int, cp_size: int, algorithm: str,
-    long_docs: str, seed: int, pad_token_id: int, max_documents: int | None = None,
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:  # fmt: skip
+    lengths: np.ndarray,
+    seq_len: int,
+    *,
+    multiple: int,
+    cp_size: int,
+    algorithm: str,
+    long_docs: str,
+    seed: int,
+    pad_token_id: int,
+    max_documents: int | None = None,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Plan rows for documents of ``lengths`` (already split when ``long_docs="split"``), at most
     ``max_documents`` a row when given (static shapes: `megapack.core.static`).
 
@@ -76,9 +88,13 @@ def plan_layout(
     lengths = np.asarray(lengths, dtype=np.int64)
     aligned = -(-lengths // multiple) * multiple
     packing = plan(
-        aligned, seq_len, algorithm=algorithm, seed=seed, max_documents=max_documents,
+        aligned,
+        seq_len,
+        algorithm=algorithm,
+        seed=seed,
+        max_documents=max_documents,
         long_docs="error" if long_docs == "split" else long_docs,
-    )  # fmt: skip
+    )
     slices = np.array(packing.slices, dtype=np.int64).reshape(-1, 3)  # in aligned units
     slices[:, 2] = np.minimum(slices[:, 2], lengths[slices[:, 0]])  # padding holds no tokens
     real_tokens = int((slices[:, 2] - slices[:, 1]).clip(min=0).sum())
@@ -88,18 +104,33 @@ def plan_layout(
         "bin_offsets": np.array(packing.bin_offsets, dtype=np.int64),
     }
     meta: dict[str, Any] = {
-        "version": FORMAT_VERSION, "seq_len": seq_len, "pad_to_multiple_of": multiple,
-        "algorithm": algorithm, "long_docs": long_docs, "seed": seed, "documents": len(lengths),
-        "cp_size": cp_size, "rows": packing.num_bins, "lower_bound": packing.lower_bound,
-        "efficiency": real_tokens / max(packing.num_bins * seq_len, 1),  # alignment padding is waste
+        "version": FORMAT_VERSION,
+        "seq_len": seq_len,
+        "pad_to_multiple_of": multiple,
+        "algorithm": algorithm,
+        "long_docs": long_docs,
+        "seed": seed,
+        "documents": len(lengths),
+        "cp_size": cp_size,
+        "rows": packing.num_bins,
+        "lower_bound": packing.lower_bound,
+        "efficiency": real_tokens
+        / max(packing.num_bins * seq_len, 1),  # alignment padding is waste
         "padding_tokens": packing.packed_tokens - real_tokens,
-        "truncated_tokens": packing.truncated_tokens, "dropped_tokens": packing.dropped_tokens,
-        "pad_token_id": pad_token_id, "truncated_documents": packing.num_truncated_docs,
-        "dropped_documents": packing.num_dropped_docs, "max_documents": max_documents,
-    }  # fmt: skip
+        "truncated_tokens": packing.truncated_tokens,
+        "dropped_tokens": packing.dropped_tokens,
+        "pad_token_id": pad_token_id,
+        "truncated_documents": packing.num_truncated_docs,
+        "dropped_documents": packing.num_dropped_docs,
+        "max_documents": max_documents,
+    }
     log.info(
         "planned %d documents into %d rows of %d tokens (%.2f%% efficiency; %d truncated, %d dropped)",
-        len(lengths), packing.num_bins, seq_len, 100 * meta["efficiency"],
-        packing.num_truncated_docs, packing.num_dropped_docs,
-    )  # fmt: skip
+        len(lengths),
+        packing.num_bins,
+        seq_len,
+        100 * meta["efficiency"],
+        packing.num_truncated_docs,
+        packing.num_dropped_docs,
+    )
     return arrays, meta

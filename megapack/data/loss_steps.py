@@ -111,15 +111,18 @@ def _agree(
     control = control_group(group)
     what = f"megapack.with_loss_fields (step {step})"
     mine = torch.tensor([*totals.tolist(), int(error is not None)], dtype=torch.int64)
-    rows = comm.all_gather(mine.to(comm.tensor_device(control)), group=control, what=what,
-                           timeout=timeout)  # fmt: skip
+    rows = comm.all_gather(
+        mine.to(comm.tensor_device(control)), group=control, what=what, timeout=timeout
+    )
     gathered = np.stack([r.cpu().numpy() for r in rows])
     ranks = comm.group_ranks(group)
     if gathered[:, 3].any():
         messages = comm.all_gather_strings(
             "" if error is None else f"{type(error).__name__}: {error}",
-            group=control, what=what, timeout=timeout,
-        )  # fmt: skip
+            group=control,
+            what=what,
+            timeout=timeout,
+        )
         if error is None:
             failed = int(np.flatnonzero(gathered[:, 3])[0])
             raise RemoteRankError(ranks[failed], step, messages[failed])
@@ -179,8 +182,12 @@ def step_batches(
     Returns:
         ``micro_batches`` PackedBatches, each ``rows_per_micro_batch`` rows.
     """
-    for name, value in (("dp_size", dp_size), ("micro_batches", micro_batches),
-                        ("rows_per_micro_batch", rows_per_micro_batch), ("seq_len", seq_len)):  # fmt: skip
+    for name, value in (
+        ("dp_size", dp_size),
+        ("micro_batches", micro_batches),
+        ("rows_per_micro_batch", rows_per_micro_batch),
+        ("seq_len", seq_len),
+    ):
         check_int(name, value, minimum=1)
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} is outside dp_size={dp_size}")
@@ -214,8 +221,10 @@ def step_batches(
     out = []
     for i in range(micro_batches):
         j = dp_rank + i * dp_size
-        built = [_row(r, seq_len, pad_to_multiple_of, pad_token_id)
-                 for r in rows[j * rows_per_micro_batch : (j + 1) * rows_per_micro_batch]]  # fmt: skip
+        built = [
+            _row(r, seq_len, pad_to_multiple_of, pad_token_id)
+            for r in rows[j * rows_per_micro_batch : (j + 1) * rows_per_micro_batch]
+        ]
         out.append(attach_loss_fields(PackedBatch.concat(built), documents[j], totals))
     return out
 
@@ -249,5 +258,6 @@ def _row(row: list[Any], seq_len: int, multiple: int, pad_token_id: int) -> Pack
         ]
     else:
         docs = [dict(zip(("tokens", "loss_mask"), _piece_arrays(p), strict=True)) for p in row]
-    return PackedBatch.from_documents(docs, seq_len=seq_len, pad_to_multiple_of=multiple,
-                                      pad_token_id=pad_token_id)  # fmt: skip
+    return PackedBatch.from_documents(
+        docs, seq_len=seq_len, pad_to_multiple_of=multiple, pad_token_id=pad_token_id
+    )

@@ -98,11 +98,16 @@ class PackWriter:
             raise ValueError(f"algorithm={algorithm!r}; choose one of {ALGORITHMS}")
         self.out = Path(out)
         self.settings: dict[str, Any] = {
-            "seq_len": seq_len, "pad_to_multiple_of": pad_to_multiple_of, "cp_size": cp_size,
-            "multiple": multiple, "algorithm": algorithm,
-            "long_docs": long_docs, "seed": seed, "pad_token_id": pad_token_id,
+            "seq_len": seq_len,
+            "pad_to_multiple_of": pad_to_multiple_of,
+            "cp_size": cp_size,
+            "multiple": multiple,
+            "algorithm": algorithm,
+            "long_docs": long_docs,
+            "seed": seed,
+            "pad_token_id": pad_token_id,
             "max_documents": max_documents,
-        }  # fmt: skip
+        }
         self.config = json.loads(json.dumps(config or {}, default=str))
         self.checkpoint_every = checkpoint_every
         self.buffer_tokens = buffer_tokens
@@ -142,8 +147,10 @@ class PackWriter:
                             f"{mine[part].get(key)!r}; use the same settings to resume, or remove it"
                         )
             self.rows_done, self.documents, self.tokens = (
-                int(state["rows"]), int(state["documents"]), int(state["tokens"]),
-            )  # fmt: skip
+                int(state["rows"]),
+                int(state["documents"]),
+                int(state["tokens"]),
+            )
             self.input_documents = int(state.get("input_documents", 0))
             self.split_documents = int(state.get("split_documents", 0))
             lengths = np.fromfile(self.out / "lengths.partial", dtype=np.int64)
@@ -174,10 +181,12 @@ class PackWriter:
         self._buffered = 0
 
     def write(
-        self, documents: Iterable[Document | DocumentBatch], *,
+        self,
+        documents: Iterable[Document | DocumentBatch],
+        *,
         position: Callable[[], int] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """Append ``documents``, plan, and finish the directory; returns its meta.
 
         Args:
@@ -273,10 +282,15 @@ class PackWriter:
         if self._origins is not None:
             np.frombuffer(self._origins, dtype=np.int64).tofile(self.out / "origins.partial")
         state = {
-            "version": PROGRESS_VERSION, "settings": self.settings, "config": self.config,
-            "rows": rows, "documents": self.documents, "tokens": self.tokens,
-            "input_documents": self.input_documents, "split_documents": self.split_documents,
-        }  # fmt: skip
+            "version": PROGRESS_VERSION,
+            "settings": self.settings,
+            "config": self.config,
+            "rows": rows,
+            "documents": self.documents,
+            "tokens": self.tokens,
+            "input_documents": self.input_documents,
+            "split_documents": self.split_documents,
+        }
         tmp = self.out / "progress.json.tmp"
         tmp.write_text(json.dumps(state, indent=2) + "\n")
         tmp.replace(self.out / "progress.json")  # atomic: a checkpoint is whole or absent
@@ -289,10 +303,16 @@ class PackWriter:
             _write_header(self.out / f"{name}.npy", dtype, self.tokens)
         s = self.settings
         arrays, meta = plan_layout(
-            np.frombuffer(self._lengths, dtype=np.int64).copy(), s["seq_len"], multiple=s["multiple"],
-            cp_size=s["cp_size"], algorithm=s["algorithm"], long_docs=s["long_docs"],
-            seed=s["seed"], pad_token_id=s["pad_token_id"], max_documents=s["max_documents"],
-        )  # fmt: skip
+            np.frombuffer(self._lengths, dtype=np.int64).copy(),
+            s["seq_len"],
+            multiple=s["multiple"],
+            cp_size=s["cp_size"],
+            algorithm=s["algorithm"],
+            long_docs=s["long_docs"],
+            seed=s["seed"],
+            pad_token_id=s["pad_token_id"],
+            max_documents=s["max_documents"],
+        )
         meta.update(input_documents=self.input_documents, split_documents=self.split_documents)
         if self._origins is not None:
             arrays["origins"] = np.frombuffer(self._origins, dtype=np.int64)

@@ -2,7 +2,7 @@
 
 The whole delivery, orchestrated here and nowhere else:
 
-    source: item -> normalize (`megapack.core.items`) -> CP share (`megapack.core.cp.take_share`)
+    source: item -> normalize (`megapack.core.normalize`) -> CP share (`megapack.core.cp_share.take_share`)
             -> encode (`megapack.delivery.wire`) -> transport send (`megapack.delivery.transport`)
     peers:  transport receive -> decode (`megapack.delivery.wire`)
 
@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapack.core.cp import CP_LAYOUTS, CpLayout, take_share
+from megapack.core.cp_share import CP_LAYOUTS, CpLayout, take_share
 from megapack.core.errors import CollectiveError, ProtocolError, RemoteDataError
 from megapack.core.fields import BatchField, Schema, Stage, schema_of
-from megapack.core.items import Batch, Layout, normalize
+from megapack.core.normalize import Batch, Layout, normalize
 from megapack.core.static import StaticShape, pad_static
 from megapack.delivery.transport import Transport, transport_for
 from megapack.delivery.wire import Header, Status, decode, encode, header_bytes, signal
@@ -79,7 +79,7 @@ def get_batch_on_this_tp_rank(
     [b, s], with its optional ``attention_mask``).
 
     With context parallelism (``topology.cp_size > 1``) every CP rank's TP source reads the same
-    full row and sends only its zigzag share of the per-token fields (`megapack.core.cp`):
+    full row and sends only its zigzag share of the per-token fields (`megapack.core.cp_share`):
     tokens, labels, loss_mask and position_ids hold T / cp positions (plain batches: s / cp per
     row, ``attention_mask`` [b, 1, s / cp, s]); ``cu_seqlens``, ``cu_seqlens_padded`` and
     ``max_seqlen`` stay the whole row's, and ``packed_seq_params.cp_group`` is the CP group.
@@ -127,8 +127,12 @@ def get_batch_on_this_tp_rank(
     topo = topology if topology is not None else Topology.from_parallel_state()
     if topo.tp_group is not None and debug_sync_enabled():
         calls = _calls.setdefault(topo.tp_group, [0])
-        check_in_sync("megapack.get_batch_on_this_tp_rank", calls[0],
-                      group=control_group(topo.tp_group), timeout=timeout)  # fmt: skip
+        check_in_sync(
+            "megapack.get_batch_on_this_tp_rank",
+            calls[0],
+            group=control_group(topo.tp_group),
+            timeout=timeout,
+        )
         calls[0] += 1
     transport = transport_for(topo, schema, timeout)
     if topo.is_source:
@@ -161,10 +165,15 @@ def _send(
                 batch = Batch(batch.layout, pad_static(batch.values, options.static))
             _check_hybrid_cp(batch, topo)
             values = take_share(
-                batch.values, schema.by_stage[topo.stage], packed=batch.layout == Layout.PACKED,
-                cp_size=topo.cp_size, cp_rank=topo.cp_rank, layout=options.cp_layout,
-                tp_size=topo.tp_size, sequence_parallel=options.sequence_parallel,
-            )  # fmt: skip
+                batch.values,
+                schema.by_stage[topo.stage],
+                packed=batch.layout == Layout.PACKED,
+                cp_size=topo.cp_size,
+                cp_rank=topo.cp_rank,
+                layout=options.cp_layout,
+                tp_size=topo.tp_size,
+                sequence_parallel=options.sequence_parallel,
+            )
             header, pieces = encode(Batch(batch.layout, values), schema, topo.stage)
     except StopIteration:
         header = signal(Status.STOP, topo.stage, schema)
@@ -222,8 +231,13 @@ def _check(header: Header, payload: torch.Tensor, topo: Topology, schema: Schema
 def _without_iterator(topo: Topology, schema: Schema, options: _SourceOptions) -> Header:
     """A middle stage of plain pretraining has no dataset: the all-None batch. Anything else is an error."""
     if topo.stage == Stage.MIDDLE and not options.packed:
-        return Header(status=Status.OK, stage=topo.stage, layout=Layout.PLAIN, key=schema.key,
-                      dims=(None,) * len(schema.fields))  # fmt: skip
+        return Header(
+            status=Status.OK,
+            stage=topo.stage,
+            layout=Layout.PLAIN,
+            key=schema.key,
+            dims=(None,) * len(schema.fields),
+        )
     if topo.stage == Stage.MIDDLE:
         raise ValueError(
             f"data_iterator is None on TP source rank {topo.src_rank} of a middle pipeline stage "

@@ -47,10 +47,12 @@ class GraphInputs:
         self.batch.update(self.scalars)
         if params is not None:
             self.batch["packed_seq_params"] = make_packed_seq_params(
-                self.buffers["cu_seqlens"], self.buffers.get("cu_seqlens_padded"),
-                int(batch["max_seqlen"]), cp_group=getattr(params, "cp_group", None),
+                self.buffers["cu_seqlens"],
+                self.buffers.get("cu_seqlens_padded"),
+                int(batch["max_seqlen"]),
+                cp_group=getattr(params, "cp_group", None),
                 local_cp_size=getattr(params, "local_cp_size", None),
-            )  # fmt: skip
+            )
 
     def load(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """Copy ``batch`` into the buffers (stream-ordered) and return the static dict."""

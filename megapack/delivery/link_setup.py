@@ -109,9 +109,11 @@ def _connect(group: dist.ProcessGroup, src: int, timeout: float | None) -> Local
         secret = secrets.token_bytes(SECRET_BYTES)
     mine = _RECORD.pack(os.getpid(), os.getuid(), len(address), address, secret)
     records = comm.all_gather(
-        torch.frombuffer(bytearray(mine), dtype=torch.uint8), group=control, what=what,
+        torch.frombuffer(bytearray(mine), dtype=torch.uint8),
+        group=control,
+        what=what,
         timeout=timeout,
-    )  # fmt: skip
+    )
     peers = {r: _RECORD.unpack(bytes(rec.numpy())) for r, rec in zip(ranks, records, strict=True)}
     src_pid, src_uid, n, src_address, src_secret = peers[src]
     sock = None
@@ -205,8 +207,10 @@ def _accept(
         if pending.get(rank) != pid or not hmac.compare_digest(given, secret):
             logger.warning(
                 "%s: refused a connection from pid %d: it did not prove membership (rank %d)",
-                what, pid, rank,
-            )  # fmt: skip
+                what,
+                pid,
+                rank,
+            )
             sock.close()
             continue
         del pending[rank]

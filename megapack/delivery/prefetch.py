@@ -84,8 +84,15 @@ def prefetch(
     **options: Any,
 ) -> Prefetcher:
     """Start prefetching ``depth`` micro-batches ahead; see `Prefetcher` and the module docstring."""
-    return Prefetcher(data_iterator, topology=topology, depth=depth, timeout=timeout, nice=nice,
-                      state=state, **options)  # fmt: skip
+    return Prefetcher(
+        data_iterator,
+        topology=topology,
+        depth=depth,
+        timeout=timeout,
+        nice=nice,
+        state=state,
+        **options,
+    )
 
 
 class Prefetcher:

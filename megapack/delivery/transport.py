@@ -118,8 +118,9 @@ class LinkTransport(Transport):
             frame[:start] = np.frombuffer(head, dtype=np.uint8)
             write_payload(pieces, frame[start:].data)
 
-        frame, shared = self.link.send_frame(start + header.nbytes, write, what=self.what,
-                                             timeout=timeout)  # fmt: skip
+        frame, shared = self.link.send_frame(
+            start + header.nbytes, write, what=self.what, timeout=timeout
+        )
         payload = frame[start:]  # the shared memory takes the next frame: the source copies
         return torch.from_numpy(payload.copy() if shared else payload)
 
@@ -151,8 +152,9 @@ class BroadcastTransport(Transport):
         )
         head = header.to_bytes()
         if self.link is not None:  # header (+ message) in one link frame
-            self.link.send([head, payload] if error else [head], what=self.what % "header",
-                           timeout=timeout)  # fmt: skip
+            self.link.send(
+                [head, payload] if error else [head], what=self.what % "header", timeout=timeout
+            )
         else:
             self._control(torch.frombuffer(bytearray(head), dtype=torch.uint8), "header", timeout)
             if error:
@@ -186,12 +188,22 @@ class BroadcastTransport(Transport):
         return self.link is None or not self.link.closed
 
     def _control(self, tensor: torch.Tensor, part: str, timeout: float | None) -> None:
-        comm.broadcast(tensor, self.topo.src_rank, group=self.control,
-                       what=self.what % f"{part} broadcast", timeout=timeout)  # fmt: skip
+        comm.broadcast(
+            tensor,
+            self.topo.src_rank,
+            group=self.control,
+            what=self.what % f"{part} broadcast",
+            timeout=timeout,
+        )
 
     def _payload(self, payload: torch.Tensor, timeout: float | None) -> None:
-        comm.broadcast_on_stream(payload, self.topo.src_rank, group=self.topo.tp_group,
-                                 what=self.what % "payload broadcast", timeout=timeout)  # fmt: skip
+        comm.broadcast_on_stream(
+            payload,
+            self.topo.src_rank,
+            group=self.topo.tp_group,
+            what=self.what % "payload broadcast",
+            timeout=timeout,
+        )
 
 
 @dataclass(slots=True)
@@ -248,9 +260,11 @@ def transport_for(topo: Topology, schema: Schema, timeout: float | None) -> Tran
     if transport is None or not transport.usable:
         transport = state.transports[mode] = _choose(topo, mode, timeout)
         logger.info(
-            "megapack: TP group %s sends batches by %s (%s)", topo.tp_ranks, transport.name,
+            "megapack: TP group %s sends batches by %s (%s)",
+            topo.tp_ranks,
+            transport.name,
             transport.why,
-        )  # fmt: skip
+        )
     return transport
 
 
@@ -267,9 +281,10 @@ def _choose(topo: Topology, mode: str, timeout: float | None) -> Transport:
         what = f"get_batch_on_this_tp_rank frame from TP source rank {topo.src_rank}"
         return LinkTransport(link, what, "the TP ranks share a host and the batch stays on the CPU")
     why = (
-        f"${TRANSPORT_ENV}=split" if mode == "split"
+        f"${TRANSPORT_ENV}=split"
+        if mode == "split"
         else f"the batch lives on {topo.device.type}: the payload goes by its collective"
-    )  # fmt: skip
+    )
     if link is None:
         why += "; no local link (ranks on several hosts or namespaces, or set-up refused)"
     return BroadcastTransport(topo, link, why)
@@ -279,8 +294,9 @@ def _agree(topo: Topology, schema: Schema, timeout: float | None) -> None:
     """Raise ValueError on every rank unless all of ``topo``'s TP ranks declared the same fields."""
     control = control_group(topo.tp_group)
     what = f"megapack fields= check over TP ranks {topo.tp_ranks}"
-    keys = comm.all_gather(torch.tensor([schema.key], dtype=torch.int64), group=control,
-                           what=what, timeout=timeout)  # fmt: skip
+    keys = comm.all_gather(
+        torch.tensor([schema.key], dtype=torch.int64), group=control, what=what, timeout=timeout
+    )
     if all(int(k) == schema.key for k in keys):
         return
     declared = repr([(f.name, f.per, str(f.dtype), f.stages) for f in schema.declared])

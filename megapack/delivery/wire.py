@@ -31,7 +31,7 @@ import torch
 
 from megapack.core.errors import ProtocolError
 from megapack.core.fields import MAX_DIMS, Schema, Stage
-from megapack.core.items import Batch, Layout
+from megapack.core.normalize import Batch, Layout
 from megapack.core.seq_params import make_packed_seq_params
 
 MAGIC = 0x4D50_0005  # "MP" + protocol version 5 (fields in full, declared by a schema)
@@ -39,9 +39,17 @@ FIXED_SLOTS = 6
 SLOTS_PER_FIELD = 1 + MAX_DIMS
 STAGE_CODES = {stage: i for i, stage in enumerate(Stage)}
 _STAGES = tuple(Stage)
-_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
-          torch.int8: np.int8, torch.uint8: np.uint8, torch.float64: np.float64,
-          torch.float32: np.float32, torch.float16: np.float16, torch.bool: np.bool_}  # fmt: skip
+_NUMPY = {
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.float64: np.float64,
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.bool: np.bool_,
+}
 _ZERO_PAD = bytes(8)
 _ABSENT = (-1, 0, 0, 0, 0, 0, 0)
 _ZEROS = (0,) * MAX_DIMS
@@ -115,14 +123,21 @@ class Header:
             base = FIXED_SLOTS + SLOTS_PER_FIELD * i
             n = v[base]
             dims.append(None if n < 0 else v[base + 1] if n == 0 else v[base + 1 : base + 1 + n])
-        return cls(status=_STATUSES[v[1]], stage=_STAGES[v[2]], layout=_LAYOUTS[v[3]], key=v[4],
-                   nbytes=v[5], dims=tuple(dims))  # fmt: skip
+        return cls(
+            status=_STATUSES[v[1]],
+            stage=_STAGES[v[2]],
+            layout=_LAYOUTS[v[3]],
+            key=v[4],
+            nbytes=v[5],
+            dims=tuple(dims),
+        )
 
 
 def signal(status: Status, stage: Stage, schema: Schema, nbytes: int = 0) -> Header:
     """A header with no fields: a clean stop, or an error whose message (``nbytes``) follows."""
-    return Header(status=status, stage=stage, key=schema.key, nbytes=nbytes,
-                  dims=(None,) * len(schema.fields))  # fmt: skip
+    return Header(
+        status=status, stage=stage, key=schema.key, nbytes=nbytes, dims=(None,) * len(schema.fields)
+    )
 
 
 def encode(batch: Batch, schema: Schema, stage: Stage) -> tuple[Header, list[torch.Tensor]]:
@@ -148,8 +163,14 @@ def encode(batch: Batch, schema: Schema, stage: Stage) -> tuple[Header, list[tor
             pieces.append(t)
             n = t.numel() * t.element_size()
             nbytes += n + (-n % 8)
-    header = Header(status=Status.OK, stage=stage, layout=batch.layout, key=schema.key,
-                    nbytes=nbytes, dims=tuple(dims))  # fmt: skip
+    header = Header(
+        status=Status.OK,
+        stage=stage,
+        layout=batch.layout,
+        key=schema.key,
+        nbytes=nbytes,
+        dims=tuple(dims),
+    )
     return header, pieces
 
 
@@ -239,7 +260,10 @@ def decode(
         offset += size + (-size % 8)
     if header.layout == Layout.PACKED:
         out["packed_seq_params"] = make_packed_seq_params(
-            out["cu_seqlens"], out["cu_seqlens_padded"], out["max_seqlen"],
-            cp_group=cp_group, local_cp_size=out["local_cp_size"],
-        )  # fmt: skip
+            out["cu_seqlens"],
+            out["cu_seqlens_padded"],
+            out["max_seqlen"],
+            cp_group=cp_group,
+            local_cp_size=out["local_cp_size"],
+        )
     return out

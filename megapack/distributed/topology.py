@@ -14,7 +14,7 @@ Pipeline stages (``Stage``), for ``pp_size`` stages and optional virtual chunks:
                                                      usually the last: embedding and loss both)
 
 Context parallelism (``cp_size > 1``) is orthogonal to the stage: each CP rank's TP group has its
-own TP source, which reads the same full row and keeps its CP share (`megapack.core.cp`).
+own TP source, which reads the same full row and keeps its CP share (`megapack.core.cp_share`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megapack.core.cp import CP_LAYOUTS, CpLayout
+from megapack.core.cp_share import CP_LAYOUTS, CpLayout
 from megapack.core.fields import Stage
 
 
@@ -60,7 +60,7 @@ class Topology:
     cp_rank: int = 0
     """This rank's index in ``cp_ranks`` (0 without context parallelism)."""
     cp_layout: CpLayout = "document"
-    """How a row is split over CP ranks: "document" or "row" (`megapack.core.cp`)."""
+    """How a row is split over CP ranks: "document" or "row" (`megapack.core.cp_share`)."""
     mtp: bool = False
     """This stage holds multi-token-prediction layers (Megatron's ``mtp_on_this_rank``), which embed
     tokens and position_ids and compute a loss: it gets the fields of both ends (`Stage.MTP`)."""
@@ -165,7 +165,7 @@ class Topology:
             device: where returned tensors live; by default CUDA's current device when the group
                 uses NCCL, else CPU.
             cp_group: this rank's context-parallel group; None (or a group of one) without CP.
-            cp_layout: "document" or "row", how rows are split over CP ranks (`megapack.core.cp`).
+            cp_layout: "document" or "row", how rows are split over CP ranks (`megapack.core.cp_share`).
             mtp: this stage holds multi-token-prediction layers (``mtp_on_this_rank``).
         """
         if tp_group is None:
@@ -215,7 +215,7 @@ class Topology:
             vp_stage: the virtual pipeline chunk being served, required when megatron-core was
                 initialized with ``virtual_pipeline_model_parallel_size``.
             cp_layout: "document" or "row", how rows are split over context-parallel ranks
-                (used when ``context_parallel_size > 1``; `megapack.core.cp`).
+                (used when ``context_parallel_size > 1``; `megapack.core.cp_share`).
             mtp: this stage holds multi-token-prediction layers: pass Megatron's
                 ``mtp_on_this_rank(config, vp_stage=...)``.
         """

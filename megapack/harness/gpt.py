@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from megapack.core.batch import PackedBatch
-from megapack.core.cp import CpLayout
+from megapack.core.cp_share import CpLayout
 from megapack.core.fields import BatchField
 from megapack.delivery.get_batch import get_batch_on_this_tp_rank
 from megapack.distributed.topology import Topology

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapack.core.cp import CpLayout
+from megapack.core.cp_share import CpLayout
 from megapack.core.loss_fields import LossMode, check_mode, token_documents
 
 _FROM_BATCH: Any = object()
@@ -92,8 +92,14 @@ def normalized_loss(
         return output, functools.partial(normalized_loss, batch, mode="sequence_mean",
                                          calculate_per_token_loss=config.calculate_per_token_loss)
     """
-    return _normalize(per_token.float(), batch, check_mode(mode), calculate_per_token_loss,
-                      _cp_group(batch, cp_group), cp_layout)  # fmt: skip
+    return _normalize(
+        per_token.float(),
+        batch,
+        check_mode(mode),
+        calculate_per_token_loss,
+        _cp_group(batch, cp_group),
+        cp_layout,
+    )
 
 
 def policy_loss(
@@ -116,8 +122,14 @@ def policy_loss(
     for the last stage). Other arguments and the return as `normalized_loss`.
     """
     terms = _surrogate(batch[advantages], batch[old_logprobs], per_token, clip)
-    return _normalize(terms, batch, check_mode(mode), calculate_per_token_loss,
-                      _cp_group(batch, cp_group), cp_layout)  # fmt: skip
+    return _normalize(
+        terms,
+        batch,
+        check_mode(mode),
+        calculate_per_token_loss,
+        _cp_group(batch, cp_group),
+        cp_layout,
+    )
 
 
 def masked_mean_loss(

@@ -23,7 +23,7 @@ from typing import Any
 
 from megapack.attention import BACKENDS, PackedAttention
 from megapack.attention.rope import RopeTables, hand_over
-from megapack.core.cp import CpLayout
+from megapack.core.cp_share import CpLayout
 
 
 def packed_gpt_layer_spec(
@@ -39,7 +39,7 @@ def packed_gpt_layer_spec(
     Args:
         backend: attention backend, one of ``megapack.attention.BACKENDS`` or ``"auto"``.
         cp_layout: how packed rows are split over CP ranks, as the batches were ("document" or
-            "row", `megapack.core.cp`); padded [b, s] batches always split by row.
+            "row", `megapack.core.cp_share`); padded [b, s] batches always split by row.
         local_spec_kwargs: passed to ``get_gpt_layer_local_spec`` (e.g. ``normalization="RMSNorm"``,
             ``qk_layernorm=True``); ``multi_latent_attention`` is not supported.
 

@@ -125,9 +125,13 @@ def order_rows(
     if balance == "token":
         return order
     return compute_order(
-        order, row_costs, dp_size=dp_size, micro_batches=micro_batches,
-        rows_per_micro_batch=rows_per_micro_batch, seed=(*seeds, 13),
-    )  # fmt: skip
+        order,
+        row_costs,
+        dp_size=dp_size,
+        micro_batches=micro_batches,
+        rows_per_micro_batch=rows_per_micro_batch,
+        seed=(*seeds, 13),
+    )
 
 
 def compute_order(

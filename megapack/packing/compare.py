@@ -54,9 +54,12 @@ def compare_plans(
         settings (``dp_size``, ``micro_batches``, ``rows_per_micro_batch``, ``cost_a``, ``cost_b``).
     """
     check_balance(
-        "compute", dp_size=dp_size, micro_batches=micro_batches,
-        rows_per_micro_batch=rows_per_micro_batch, cost=cost,
-    )  # fmt: skip
+        "compute",
+        dp_size=dp_size,
+        micro_batches=micro_batches,
+        rows_per_micro_batch=rows_per_micro_batch,
+        cost=cost,
+    )
     packed = plan(lengths, seq_len, algorithm=algorithm, seed=seed)
     costs = cost.bin_costs(packed.slices, packed.bin_offsets)
     layout: dict[str, int] = {"dp_size": dp_size, "micro_batches": micro_batches}
@@ -67,9 +70,13 @@ def compare_plans(
     for mode in BALANCE_MODES:
         start = time.perf_counter()
         order = order_rows(
-            costs, balance=mode, dp_size=dp_size, micro_batches=micro_batches,
-            rows_per_micro_batch=rows_per_micro_batch, seed=seed,
-        )  # fmt: skip
+            costs,
+            balance=mode,
+            dp_size=dp_size,
+            micro_batches=micro_batches,
+            rows_per_micro_batch=rows_per_micro_batch,
+            seed=seed,
+        )
         if mode == "compute":
             result["compute_plan_seconds"] = time.perf_counter() - start
         result[f"imbalance_{mode}_plan"] = imbalance(order, costs, **layout)

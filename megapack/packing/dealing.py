@@ -1,7 +1,7 @@
 """Dealing rows to DP ranks and micro-batches: the partition primitives of the compute plan.
 
 `partition` splits items into groups of given sizes with balanced cost (longest-processing-time
-first, then swaps that lower the maximum, `_refine`); `balance_order` deals each global batch of
+first, then swaps that lower the maximum, `refine_pairs`); `balance_order` deals each global batch of
 an order that way (rank sets, then each rank's micro-batches); `pipeline_order` orders a rank's
 micro-batches for pipeline parallelism. `megapack.packing.balance` builds the plans from them and
 `megapack.packing.layers` deals layered global batches with them (layout and worked example:
@@ -50,11 +50,11 @@ def partition(costs: np.ndarray, sizes: np.ndarray, start: np.ndarray | None = N
             room[k] -= 1
     else:
         group = np.array(start, dtype=np.int64)
-    _refine(costs, group, len(sizes))
+    refine_pairs(costs, group, len(sizes))
     return group
 
 
-def _refine(costs: np.ndarray, group: np.ndarray, k: int) -> None:
+def refine_pairs(costs: np.ndarray, group: np.ndarray, k: int) -> None:
     """Swap one item of the costliest group with one of another while that lowers the maximum."""
     for _ in range(_MAX_SWAPS):
         loads = np.bincount(group, weights=costs, minlength=k)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megapack.packing.dealing import _refine, balance_order, pipeline_order
+from megapack.packing.dealing import balance_order, pipeline_order, refine_pairs
 
 REFINE_ABOVE = 1.0005
 """Batches whose max rank cost / mean exceeds this after the layer deal get the swap refinement."""
@@ -102,7 +102,7 @@ def deal_layers(
         flat_rank, flat_cost = rank.reshape(full, per_batch), c.reshape(full, per_batch)
         worse = loads.max(axis=1) > REFINE_ABOVE * loads.mean(axis=1)
         for b in np.flatnonzero(worse) if slots > 1 else []:  # one row per rank: no swap helps
-            _refine(flat_cost[b], flat_rank[b], dp)
+            refine_pairs(flat_cost[b], flat_rank[b], dp)
         keys = np.argsort(flat_rank, axis=1, kind="stable")  # each rank's rows, together
         mine = np.take_along_axis(rows.reshape(full, per_batch), keys, axis=1)
         mine = mine.reshape(full, dp, slots)

@@ -9,7 +9,7 @@ ALGORITHMS = ("bfd", "ffd", "first_fit", "next_fit", "best")
 """`megapack.packing.plan` algorithms, in the order the CLI lists them ("bfd" is the default)."""
 
 LONG_DOC_POLICIES = ("split", "truncate", "drop", "error")
-"""What happens to a document longer than a row (see `megapack.packing.items`); "split" is the
+"""What happens to a document longer than a row (see `megapack.packing.pieces`); "split" is the
 default."""
 
 BALANCE_MODES = ("token", "compute")

@@ -252,9 +252,17 @@ class PackPlan:
         if not isinstance(other, PackPlan):
             return NotImplemented
         scalars = (
-            "capacity", "algorithm", "lower_bound", "num_docs", "num_split_docs", "split_tokens",
-            "num_truncated_docs", "truncated_tokens", "num_dropped_docs", "dropped_tokens",
-        )  # fmt: skip
+            "capacity",
+            "algorithm",
+            "lower_bound",
+            "num_docs",
+            "num_split_docs",
+            "split_tokens",
+            "num_truncated_docs",
+            "truncated_tokens",
+            "num_dropped_docs",
+            "dropped_tokens",
+        )
         return all(getattr(self, a) == getattr(other, a) for a in scalars) and (
             np.array_equal(self.bin_offsets, other.bin_offsets)
             and np.array_equal(self.slices, other.slices)

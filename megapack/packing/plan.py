@@ -41,9 +41,9 @@ from megapack.packing.bfd import best_fit_decreasing
 from megapack.packing.bounds import lower_bound
 from megapack.packing.cost import CostModel
 from megapack.packing.fit import first_fit, first_fit_decreasing, next_fit
-from megapack.packing.items import Items, as_lengths, make_items
 from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
 from megapack.packing.pack_plan import PackPlan
+from megapack.packing.pieces import Items, as_lengths, make_items
 from megapack.packing.search import DEFAULT_MAX_STEPS, improve
 
 """Names accepted by ``plan(algorithm=...)``."""
@@ -197,8 +197,14 @@ def cap_documents(
             loads[b] += size
             bin_of[i] = b
             continue
-        new = next((j for j, (c, load) in enumerate(zip(extra_counts, extra_loads, strict=True))
-                    if c < max_documents and load + size <= capacity), None)  # fmt: skip
+        new = next(
+            (
+                j
+                for j, (c, load) in enumerate(zip(extra_counts, extra_loads, strict=True))
+                if c < max_documents and load + size <= capacity
+            ),
+            None,
+        )
         if new is None:
             new = len(extra_counts)
             extra_counts.append(0)

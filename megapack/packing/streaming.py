@@ -53,8 +53,8 @@ import numpy as np
 
 from megapack.packing.balance import BALANCE_MODES, check_balance, compute_order
 from megapack.packing.cost import CostModel
-from megapack.packing.items import make_items
 from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
+from megapack.packing.pieces import make_items
 from megapack.packing.plan import plan
 
 EMIT_FILL = 0.99
@@ -240,9 +240,12 @@ class StreamingPacker:
             return
         # The long-document policy lives in make_items (plan() uses it too).
         items = make_items(
-            np.array([length], dtype=np.int64), self.capacity, self.long_docs,
-            first=index, where=" of the stream",
-        )  # fmt: skip
+            np.array([length], dtype=np.int64),
+            self.capacity,
+            self.long_docs,
+            first=index,
+            where=" of the stream",
+        )
         self.stats["split_docs"] += items.num_split_docs
         self.stats["truncated_tokens"] += items.truncated_tokens
         self.stats["dropped_docs"] += items.num_dropped_docs

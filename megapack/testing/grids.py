@@ -1,14 +1,14 @@
-"""The tp x pp (x cp) grids megapack is tested on; `grid_topology` (from `megapack.distributed.grid`) builds them.
+"""The tp x pp (x cp) grids megapack is tested on; `grid_topology` (from `megapack.harness.grid`) builds them.
 
 Rank order follows Megatron's default (tensor-parallel fastest, then context-parallel, then
-pipeline): rank = (pp_rank * cp + cp_rank) * tp + tp_rank (see `megapack.distributed.grid`).
+pipeline): rank = (pp_rank * cp + cp_rank) * tp + tp_rank (see `megapack.harness.grid`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapack.distributed.grid import grid_topology
+from megapack.harness.grid import grid_topology
 
 __all__ = ["CP_GRIDS", "GRIDS", "Grid", "grid_topology"]
 

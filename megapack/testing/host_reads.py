@@ -50,7 +50,17 @@ PACKAGE = Path(megapack.__file__).resolve().parent
 """The megapack package directory: its files are megapack's own code."""
 TESTING = PACKAGE / "testing"
 """Excluded from the default roots: test helpers are not the code under test."""
-TENSOR_METHODS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")  # fmt: skip
+TENSOR_METHODS = (
+    "item",
+    "tolist",
+    "numpy",
+    "cpu",
+    "nonzero",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+)
 """The ``torch.Tensor`` methods that read a tensor on the host."""
 
 
@@ -110,9 +120,14 @@ class HostReads:
         if not _under(path, self.roots) or (_under(path, (TESTING,)) and TESTING not in self.roots):
             return
         self.records.append(
-            HostRead(kind=kind, module=str(frame.f_globals.get("__name__", "?")),
-                     function=frame.f_code.co_name, file=str(path), line=frame.f_lineno)
-        )  # fmt: skip
+            HostRead(
+                kind=kind,
+                module=str(frame.f_globals.get("__name__", "?")),
+                function=frame.f_code.co_name,
+                file=str(path),
+                line=frame.f_lineno,
+            )
+        )
 
 
 _ACTIVE: list[HostReads] = []
@@ -184,7 +199,12 @@ def _install() -> None:
     for name in TENSOR_METHODS:
         _SAVED[(torch.Tensor, name)] = torch.Tensor.__dict__.get(name, _MISSING)
         setattr(torch.Tensor, name, _method(name, getattr(torch.Tensor, name)))
-    for name, device_arg in (("equal", False), ("nonzero", False), ("tensor", True), ("as_tensor", True)):  # fmt: skip
+    for name, device_arg in (
+        ("equal", False),
+        ("nonzero", False),
+        ("tensor", True),
+        ("as_tensor", True),
+    ):
         _SAVED[(torch, name)] = getattr(torch, name)
         setattr(torch, name, _function(name, getattr(torch, name), device_arg))
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from megapack.cli import main
-from megapack.cli.report import plural
+from megapack.cli.pack_report import plural
 
 ROOT = Path(__file__).resolve().parents[2]
 Capture = pytest.CaptureFixture[str]
@@ -249,7 +249,7 @@ def test_demo_with_a_grid_that_does_not_fit() -> None:
 def test_cli_report_docstring_example() -> None:
     import doctest
 
-    from megapack.cli import report
+    from megapack.cli import pack_report as report
 
     result = doctest.testmod(report)
     assert result.failed == 0 and result.attempted > 0

@@ -2,7 +2,7 @@
 
 Every CP rank's TP source reads the same stream of full rows. The test process computes what
 each rank must return: the full-row expectation of the tp x pp grid test, then the CP rank's share
-taken with `megapack.core.cp.cp_indices` from the whole row's boundaries. Every collective's size is
+taken with `megapack.core.cp_share.cp_indices` from the whole row's boundaries. Every collective's size is
 recorded on every rank; TP peers must agree call by call (gloo accepts mismatched broadcasts).
 """
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megapack import PackedBatch, Topology, get_batch_on_this_tp_rank
-from megapack.core.cp import CP_LAYOUTS, cp_indices
+from megapack.core.cp_share import CP_LAYOUTS, cp_indices
 from megapack.delivery.transport import use_transport
 from megapack.testing.grids import CP_GRIDS, Grid, grid_topology
 from tests.functional.test_tp_pp_grid import COLLECTIVES, TENSOR_KEYS, expected

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megapack import get_batch_on_this_tp_rank, prefetch
-from megapack.distributed.grid import grid_topology
+from megapack.harness.grid import grid_topology
 from megapack.harness.pool import WorkerPool
 from megapack.testing.grids import Grid
 from tests.functional.test_tp_pp_grid import _summary, stream

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megapack import BatchField, get_batch_on_this_tp_rank, prefetch
-from megapack.core.cp import cp_indices
+from megapack.core.cp_share import cp_indices
 from megapack.delivery.transport import use_transport
 from megapack.testing.grids import Grid, grid_topology
 

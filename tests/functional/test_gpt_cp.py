@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from megapack.core.batch import PackedBatch
-from megapack.core.cp import cp_indices
+from megapack.core.cp_share import cp_indices
 from megapack.harness.gpt import TinyGPT, forward_step, init_weights, padded_micro_batch
 
 pytestmark = pytest.mark.distributed

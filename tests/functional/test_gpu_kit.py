@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from megapack.bench.gpu_report import CHECK_KEYS, THROUGHPUT_KEYS
+from megapack.bench.gpu.report import CHECK_KEYS, THROUGHPUT_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,7 +106,7 @@ def test_a_dead_kit_process_is_a_failed_check(tmp_path: Path) -> None:
     fake = tmp_path / "python"
     fake.write_text(
         "#!/usr/bin/env bash\n"
-        'for a in "$@"; do [ "$a" = megapack.bench.gpu_kit ] && { echo "measured half"; kill -9 $$; }; done\n'
+        'for a in "$@"; do [ "$a" = megapack.bench.gpu.kit ] && { echo "measured half"; kill -9 $$; }; done\n'
         f'exec {sys.executable} "$@"\n'
     )
     fake.chmod(0o755)
@@ -130,9 +130,10 @@ class DropsBoundaries(torch.nn.Module):
 
 
 def losses_with_and_without_boundaries() -> list[tuple[str, str]]:
-    from megapack.bench.gpu_checks import packed_vs_padded
-    from megapack.bench.gpu_kit import DRY, _set_up
-    from megapack.bench.gpu_model import build_gpt
+    from megapack.bench.gpu.checks import packed_vs_padded
+    from megapack.bench.gpu.model import build_gpt
+    from megapack.bench.gpu.sizes import DRY
+    from megapack.bench.gpu.steps import set_up as _set_up
 
     cpu = torch.device("cpu")
     _set_up(cpu, seed=0)
@@ -159,7 +160,8 @@ def test_packed_vs_padded_catches_a_leak_in_megatron_gpt(dist_pool: Any) -> None
 @pytest.fixture(scope="module")
 def cuda_world() -> Iterator[torch.device]:
     """One-rank torch.distributed world and megatron-core parallel state on the GPU, as the kit sets up."""
-    from megapack.bench.gpu_kit import _set_up, _tear_down
+    from megapack.bench.gpu.steps import set_up as _set_up
+    from megapack.bench.gpu.steps import tear_down as _tear_down
 
     device = torch.device("cuda", torch.cuda.current_device())
     _set_up(device, seed=0)
@@ -170,7 +172,7 @@ def cuda_world() -> Iterator[torch.device]:
 
 
 def small_preset(device: torch.device, dtype: torch.dtype) -> Any:
-    from megapack.bench.gpu_model import PRESET, build_gpt
+    from megapack.bench.gpu.model import PRESET, build_gpt
 
     shape = dataclasses.replace(PRESET, num_layers=2)
     return shape, build_gpt(shape, device=device, dtype=dtype, max_sequence_length=2048)
@@ -186,7 +188,7 @@ def packed_batches(vocab: int, seq_len: int = 2048, count: int = 10) -> list[Any
 
 @on_gpu
 def test_attention_backends_against_the_reference_on_gpu(cuda_world: torch.device) -> None:
-    from megapack.bench.gpu_checks import attention_checks
+    from megapack.bench.gpu.checks import attention_checks
 
     checks = attention_checks(
         cuda_world, torch.bfloat16, heads=16, groups=4, head_dim=128, max_len=1024
@@ -201,7 +203,7 @@ def test_attention_backends_against_the_reference_on_gpu(cuda_world: torch.devic
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @on_gpu
 def test_packed_equals_padded_on_gpu(cuda_world: torch.device, dtype: torch.dtype) -> None:
-    from megapack.bench.gpu_checks import packed_vs_padded
+    from megapack.bench.gpu.checks import packed_vs_padded
 
     shape, model = small_preset(cuda_world, dtype)
     check = packed_vs_padded(model, device=cuda_world, dtype=dtype, lengths=[1, 7, 900, 33, 512, 2, 300],
@@ -211,7 +213,7 @@ def test_packed_equals_padded_on_gpu(cuda_world: torch.device, dtype: torch.dtyp
 
 @on_gpu
 def test_zero_syncs_in_delivery_prefetch_and_a_packed_step_on_gpu(cuda_world: torch.device) -> None:
-    from megapack.bench.gpu_checks import sync_checks
+    from megapack.bench.gpu.syncs import sync_checks
 
     shape, model = small_preset(cuda_world, torch.bfloat16)
     checks = sync_checks(model, packed_batches(shape.vocab_size), device=cuda_world)
@@ -234,7 +236,7 @@ class ItemInForward(torch.nn.Module):
 
 @on_gpu
 def test_the_sync_check_sees_a_real_sync_on_gpu(cuda_world: torch.device) -> None:
-    from megapack.bench.gpu_checks import sync_checks
+    from megapack.bench.gpu.syncs import sync_checks
 
     checks = sync_checks(ItemInForward().to(cuda_world), packed_batches(32000), device=cuda_world)
     assert [c.status for c in checks][3] == "failed", checks
@@ -246,9 +248,9 @@ def test_throughput_smoke_on_gpu(cuda_world: torch.device) -> None:
     from megapack import Topology
     from megapack.bench.baselines import summarize
     from megapack.bench.datasets import bundled_lengths_path, load_lengths
-    from megapack.bench.devices import peak_bf16_flops
-    from megapack.bench.gpu import ThroughputSizes, length_mixes, run_gpu_throughput
-    from megapack.bench.gpu_model import matmul_ceiling
+    from megapack.bench.gpu.devices import peak_bf16_flops
+    from megapack.bench.gpu.model import matmul_ceiling
+    from megapack.bench.gpu.throughput import ThroughputSizes, length_mixes, run_gpu_throughput
 
     shape, model = small_preset(cuda_world, torch.bfloat16)
     sizes = ThroughputSizes(

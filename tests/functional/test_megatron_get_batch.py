@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megapack import get_batch_on_this_tp_rank
-from megapack.core.cp import cp_indices
+from megapack.core.cp_share import cp_indices
 from megapack.distributed.topology import Stage
 from megapack.testing.grids import Grid, grid_topology
 from tests.functional.test_cp_grid import _record_collectives

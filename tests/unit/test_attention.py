@@ -272,7 +272,7 @@ def test_flex_training_on_cuda_matches_reference_without_recompiles() -> None:
 
 
 def test_attention_package_imports_only_what_its_docstring_allows() -> None:
-    """megapack.attention may import torch, numpy, megapack.core.cp and megapack.core.quiet, never delivery."""
+    """megapack.attention may import torch, numpy, megapack.core.cp_share and megapack.core.quiet, never delivery."""
     from pathlib import Path
 
     import megapack.attention
@@ -280,8 +280,8 @@ def test_attention_package_imports_only_what_its_docstring_allows() -> None:
 
     allowed = (
         "megapack.attention",
-        "megapack.core.cp",
-        "megapack.core.cp",
+        "megapack.core.cp_share",
+        "megapack.core.cp_share",
         "megapack.core.quiet",
     )  # cp moving to core
     package = Path(megapack.attention.__file__).parent

@@ -1,8 +1,8 @@
-"""Tests of megapack.attention.cp: PackedAttention with context parallelism on gloo CPU ranks.
+"""Tests of megapack.attention.cp_attention: PackedAttention with context parallelism on gloo CPU ranks.
 
 Every CP run is compared with the cp=1 result on the whole row (`PackedAttention` without CP, itself
 checked against a dense reference in test_attention.py): each rank's outputs and its q/k/v gradients
-must equal the whole row's at the positions it holds (`megapack.core.cp.cp_indices`).
+must equal the whole row's at the positions it holds (`megapack.core.cp_share.cp_indices`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from megapack.attention import PackedAttention
 from megapack.attention.cp_plan import CpPlan, plan_for, row_positions
 from megapack.core.batch import make_packed_seq_params
-from megapack.core.cp import cp_indices
+from megapack.core.cp_share import cp_indices
 
 HEADS, GROUPS, DIM = 4, 2, 8
 

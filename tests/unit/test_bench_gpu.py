@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 
 from megapack.bench.baselines import summarize
-from megapack.bench.devices import peak_bf16_flops
-from megapack.bench.gpu import length_mixes, step_estimate, target_checks
-from megapack.bench.gpu_model import PRESET, TOY, GptShape
-from megapack.bench.gpu_report import (
+from megapack.bench.gpu.devices import peak_bf16_flops
+from megapack.bench.gpu.model import PRESET, TOY, GptShape
+from megapack.bench.gpu.report import (
     CHECK_KEYS,
     THROUGHPUT_KEYS,
     Check,
@@ -26,6 +25,7 @@ from megapack.bench.gpu_report import (
     markdown,
     record_crash,
 )
+from megapack.bench.gpu.throughput import length_mixes, step_estimate, target_checks
 from megapack.bench.layouts import LABELS, MODES, grouped, layout_cost, micro_batches
 
 
@@ -278,7 +278,7 @@ def test_profile_step_attributes_the_host_time_by_owner() -> None:
     import torch
 
     from megapack import PackedBatch
-    from megapack.bench.profile import OWNERS, profile_step
+    from megapack.bench.gpu.profile import OWNERS, profile_step
 
     weight = torch.randn(64, 64, requires_grad=True)
 

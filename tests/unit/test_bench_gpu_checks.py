@@ -20,15 +20,17 @@ import torch
 
 from megapack import PackedBatch
 from megapack.attention import packed_attention
-from megapack.bench.gpu_checks import (
+from megapack.bench.gpu.checks import (
     attention_cases,
     attention_timing,
     boundaries,
     check_backend,
     flex_target,
     packed_vs_padded,
-    positive_control,
     reference_attention,
+)
+from megapack.bench.gpu.syncs import (
+    positive_control,
     sync_checks,
 )
 
@@ -56,7 +58,7 @@ def test_reference_attention_worked_example() -> None:
 
 
 def test_zero_length_documents_in_the_kits_attention_check_cpu() -> None:
-    from megapack.bench.gpu_checks import attention_checks
+    from megapack.bench.gpu.checks import attention_checks
 
     checks = attention_checks(CPU, torch.float32, heads=4, groups=2, head_dim=8, max_len=16)
     ran = [c for c in checks if c.status != "skipped" and not c.name.startswith("attention: auto")]
@@ -260,7 +262,7 @@ def test_sync_check_reports_a_sync_in_the_model_with_its_stack(where: str) -> No
 
 
 def test_sync_check_reports_a_sync_in_the_prefetch_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    import megapack.bench.gpu_checks as gpu_checks
+    import megapack.bench.gpu.syncs as gpu_checks
 
     real_iter = iter
     monkeypatch.setattr(gpu_checks, "iter", lambda x: PlantedIterator(list(x)) if isinstance(x, list) else real_iter(x), raising=False)  # fmt: skip

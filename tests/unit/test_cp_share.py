@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megapack import BatchField, PackedBatch
-from megapack.core.cp import take_share
+from megapack.core.cp_share import take_share
 from megapack.core.fields import Stage, schema_of
-from megapack.core.items import Layout, normalize
+from megapack.core.normalize import Layout, normalize
 from megapack.core.seq_params import make_packed_seq_params
 
 SCHEMA = schema_of()

@@ -1,4 +1,4 @@
-"""Tests of megapack.distributed.grid.grid_topology: rank layout of tp x pp x cp grids and its argument checks."""
+"""Tests of megapack.harness.grid.grid_topology: rank layout of tp x pp x cp grids and its argument checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from megapack.distributed.grid import grid_topology
+from megapack.harness.grid import grid_topology
 
 
 def _layout(tp: int, pp: int, cp: int) -> dict[str, Any]:

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from megapack import LOSS_FIELDS, PackedBatch
-from megapack.core.cp import CP_LAYOUTS, cp_indices, take_share
+from megapack.core.cp_share import CP_LAYOUTS, cp_indices, take_share
 from megapack.core.fields import schema_of
-from megapack.core.items import normalize
 from megapack.core.loss_fields import (
     LOSS_MODES,
     attach_loss_fields,
@@ -25,6 +24,7 @@ from megapack.core.loss_fields import (
     step_loss_fields,
     token_documents,
 )
+from megapack.core.normalize import normalize
 from megapack.data import Document, PackedDataset, PackWriter, step_batches, with_loss_fields
 from megapack.harness.gpt import packed_micro_batch, padded_micro_batch
 from megapack.megatron import normalized_loss, policy_loss

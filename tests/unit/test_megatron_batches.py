@@ -242,9 +242,9 @@ def test_rows_merge_like_flatten_batch_for_packed_sequences(mbs: int, s: int, co
 @pytest.mark.parametrize("s", [16, 1024])
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_per_sequence_balancing_takes_chunks_r_and_2cp_minus_1_minus_r(cp: int, s: int) -> None:
-    from megapack.core.cp import take_share
+    from megapack.core.cp_share import take_share
     from megapack.core.fields import Stage, schema_of
-    from megapack.core.items import normalize
+    from megapack.core.normalize import normalize
 
     schema = schema_of()
     batch = normalize(two_documents_per_row(1, s), schema)

@@ -195,7 +195,7 @@ def test_argument_errors(kwargs: dict, error: type, match: str) -> None:
 def test_lengths_are_checked_and_converted_to_int64() -> None:
     """`as_lengths`: any integer array (object arrays of ints too) becomes int64; anything else
     is a TypeError naming the dtype and the fix; `make_items` names a bad policy itself."""
-    from megapack.packing.items import as_lengths, make_items
+    from megapack.packing.pieces import as_lengths, make_items
 
     for given_lengths in ([], np.array([3, 2], dtype=np.uint8), np.array([3, 2], dtype=object)):
         out = as_lengths(given_lengths)
@@ -396,7 +396,7 @@ def test_openchat_efficiency_sanity() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["bounds", "items", "bfd", "fit", "subset_sum", "search", "pack_plan", "plan", "streaming"],
+    ["bounds", "pieces", "bfd", "fit", "subset_sum", "search", "pack_plan", "plan", "streaming"],
 )
 def test_docstring_examples(module: str) -> None:
     mod = importlib.import_module(f"megapack.packing.{module}")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megapack.cli import main
-from megapack.core.cp import check_cp_spans, cp_pad_multiple
+from megapack.core.cp_share import check_cp_spans, cp_pad_multiple
 from megapack.data import PackedDataset
 from megapack.data.document import Document
 
@@ -102,7 +102,7 @@ def test_cli_pack_and_stats_take_cp_size(
 
 
 def test_bench_cp_padding_section() -> None:
-    from megapack.bench.cp import markdown, run_cp_padding
+    from megapack.bench.cp_padding import markdown, run_cp_padding
 
     lengths = [5, 3, 17, 1, 9, 30, 2, 11] * 10
     rows = run_cp_padding(lengths, 32, cps=(2, 4))

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from megapack.cli import build_parser
 from megapack.data import dataset
 from megapack.packing import ALGORITHMS, LONG_DOC_POLICIES, StreamingPacker, names, plan
-from megapack.packing.items import make_items
+from megapack.packing.pieces import make_items
 
 
 def test_every_choice_list_reads_the_one_definition() -> None:

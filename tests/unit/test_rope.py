@@ -16,7 +16,7 @@ import torch
 from megapack.attention.cp_plan import CpPlan
 from megapack.attention.documents import Documents
 from megapack.attention.rope import RopeTables, apply_rope, hand_over, handed_over
-from megapack.core.cp import cp_indices
+from megapack.core.cp_share import cp_indices
 
 HEADS, DIM = 3, 16
 BOUNDARIES = {  # (cu_real, cu_buffer or None); the table has max span + 2 rows, never T

@@ -14,7 +14,7 @@ import torch
 import megapack
 from megapack import GraphInputs, PackedBatch, StaticShape
 from megapack.attention import backend_available, packed_attention
-from megapack.core.cp import CP_LAYOUTS, cp_indices, take_share
+from megapack.core.cp_share import CP_LAYOUTS, cp_indices, take_share
 from megapack.core.fields import schema_of
 from megapack.core.loss_fields import segment_trained, step_loss_fields
 from megapack.core.static import pad_static, segments_for, static_batch

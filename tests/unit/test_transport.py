@@ -16,7 +16,7 @@ import torch
 from megapack.core.batch import PackedBatch
 from megapack.core.errors import CollectiveError
 from megapack.core.fields import BatchField, Stage, schema_of
-from megapack.core.items import Batch, Layout, normalize
+from megapack.core.normalize import Batch, Layout, normalize
 from megapack.delivery import transport as transport_module
 from megapack.delivery.link import SHARED_OK, LocalLink
 from megapack.delivery.transport import (

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from megapack import BatchField, PackedBatch
 from megapack.core.errors import ProtocolError
 from megapack.core.fields import BUILTIN_FIELDS, OUTPUT_KEYS, Stage, schema_of
-from megapack.core.items import Batch, Layout, normalize
+from megapack.core.normalize import Batch, Layout, normalize
 from megapack.delivery.wire import (
     MAGIC,
     Header,

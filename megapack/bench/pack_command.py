@@ -180,15 +180,24 @@ def run_pack(sizes: list[int], repeats: int = 1) -> list[dict[str, Any]]:
                 )
             b = sorted(bare, key=lambda x: x["seconds"])[len(bare) // 2]
             p = sorted(pack, key=lambda x: x["seconds"])[len(pack) // 2]
-            rows.append({
-                "documents": documents, "input_mb": size / 1e6, "tokens": b["tokens"],
-                "bare_s": b["seconds"], "pack_s": p["seconds"], "ratio": p["seconds"] / b["seconds"],
-                "cpu_ratio": median([x["cpu_s"] for x in pack]) / median([x["cpu_s"] for x in bare]),
-                "bare_mb_s": size / 1e6 / b["seconds"], "pack_mb_s": size / 1e6 / p["seconds"],
-                "bare_peak_mib": b["peak_mib"], "pack_peak_mib": p["peak_mib"],
-                "token_array_mib": b["tokens"] * 8 / 2**20,
-                "peak_source": p["peak_source"],
-            })  # fmt: skip
+            rows.append(
+                {
+                    "documents": documents,
+                    "input_mb": size / 1e6,
+                    "tokens": b["tokens"],
+                    "bare_s": b["seconds"],
+                    "pack_s": p["seconds"],
+                    "ratio": p["seconds"] / b["seconds"],
+                    "cpu_ratio": median([x["cpu_s"] for x in pack])
+                    / median([x["cpu_s"] for x in bare]),
+                    "bare_mb_s": size / 1e6 / b["seconds"],
+                    "pack_mb_s": size / 1e6 / p["seconds"],
+                    "bare_peak_mib": b["peak_mib"],
+                    "pack_peak_mib": p["peak_mib"],
+                    "token_array_mib": b["tokens"] * 8 / 2**20,
+                    "peak_source": p["peak_source"],
+                }
+            )
     for row in rows:
         row["verdict"] = "ok" if row["ratio"] <= TARGET_RATIO else "SLOW"
     return rows
@@ -228,7 +237,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return head + body
 
 
-if __name__ == "__main__":  # python -m megapack.bench.pack [documents ...] [--repeats N]
+if __name__ == "__main__":  # python -m megapack.bench.pack_command [documents ...] [--repeats N]
     import argparse
 
     cli = argparse.ArgumentParser(description="the bench's pack section alone")

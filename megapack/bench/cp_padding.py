@@ -1,7 +1,7 @@
 """Context-parallel padding benchmark: what each CP layout costs in padding and rows.
 
 The "document" layout (Transformer Engine's fused THD CP attention) needs every document padded
-to a multiple of 2 * cp; rows are then planned on the padded lengths (`megapack.core.cp.cp_pad_multiple`,
+to a multiple of 2 * cp; rows are then planned on the padded lengths (`megapack.core.cp_share.cp_pad_multiple`,
 as `PackedDataset(cp_size=...)` does). The "row" layout (Megatron-LM's per-sequence balancing)
 needs only the row length to divide by 2 * cp, which any seq_len of a power of two does: no
 padding beyond packing. Reported per layout and cp: padding tokens (and their share of the real
@@ -22,7 +22,7 @@ def run_cp_padding(
     lengths: Sequence[int], seq_len: int, cps: Sequence[int] = CP_SIZES
 ) -> list[dict[str, Any]]:
     """One row for plain packing (layout "none", cp 1), then one per layout and cp."""
-    from megapack.core.cp import cp_pad_multiple
+    from megapack.core.cp_share import cp_pad_multiple
     from megapack.packing import plan
 
     real = np.asarray(lengths, dtype=np.int64)
@@ -44,10 +44,15 @@ def _row(
     layout: str, cp: int, padding: int, bins: int, total: int, seq_len: int, base: int
 ) -> dict[str, Any]:
     return {
-        "layout": layout, "cp": cp, "seq_len": seq_len, "padding_tokens": padding,
-        "padding_share": padding / total, "rows": bins, "rows_vs_cp1": bins / base,
+        "layout": layout,
+        "cp": cp,
+        "seq_len": seq_len,
+        "padding_tokens": padding,
+        "padding_share": padding / total,
+        "rows": bins,
+        "rows_vs_cp1": bins / base,
         "efficiency": total / (bins * seq_len),
-    }  # fmt: skip
+    }
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

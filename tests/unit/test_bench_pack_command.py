@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from megapack.bench import pack
+from megapack.bench import pack_command as pack
 
 CHILD = (
     "import json, resource\n"

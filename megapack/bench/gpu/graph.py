@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from megapack.bench.gpu_model import GptShape
-from megapack.bench.gpu_report import Check, Status
+from megapack.bench.gpu.model import GptShape
+from megapack.bench.gpu.report import Check, Status
 
 PACKS = 20
 """Different packs replayed by one captured graph."""
@@ -40,8 +40,14 @@ REPLAY_TARGET = 0.9
 """Target: a replayed step <= this x eager's, on the launch-bound model."""
 BF16_LOSS = 1e-6
 """Largest per-token difference allowed between replay and eager, every dtype (see the docstring)."""
-LAUNCH_BOUND = GptShape(num_layers=12, hidden_size=768, num_attention_heads=12, num_query_groups=4,
-                        ffn_hidden_size=3072, vocab_size=32000)  # fmt: skip
+LAUNCH_BOUND = GptShape(
+    num_layers=12,
+    hidden_size=768,
+    num_attention_heads=12,
+    num_query_groups=4,
+    ffn_hidden_size=3072,
+    vocab_size=32000,
+)
 """~0.11B parameters at seq 1,024: per-kernel work small enough that launches dominate eager."""
 
 
@@ -58,12 +64,17 @@ def cap_check(lengths: Sequence[int], seq_len: int, rows: int) -> tuple[Check, i
     whole = len(per_row) // rows * rows
     segments = (per_row[:whole] + 1).reshape(-1, rows).sum(axis=1)  # each row: + its padding
     fits = float((segments <= segments_for(cap, rows)).mean()) if whole else 1.0
-    detail = (f"cap {cap} documents a row (keeps {float((per_row <= cap).mean()):.2%} of {len(per_row):,} "
-              f"rows; capped plan {capped.num_bins:,} rows, +{capped.num_bins - free.num_bins}); "
-              f"{fits:.2%} of the uncapped plan's micro-batches of {rows} rows fit the static shape")  # fmt: skip
+    detail = (
+        f"cap {cap} documents a row (keeps {float((per_row <= cap).mean()):.2%} of {len(per_row):,} "
+        f"rows; capped plan {capped.num_bins:,} rows, +{capped.num_bins - free.num_bins}); "
+        f"{fits:.2%} of the uncapped plan's micro-batches of {rows} rows fit the static shape"
+    )
     status: Status = "passed" if fits >= CAP_SHARE else "failed"
-    return Check(name=f"graph: OpenChat micro-batches fitting one captured shape >= {CAP_SHARE:.0%} (seq {seq_len})",
-                 status=status, detail=detail), cap  # fmt: skip
+    return Check(
+        name=f"graph: OpenChat micro-batches fitting one captured shape >= {CAP_SHARE:.0%} (seq {seq_len})",
+        status=status,
+        detail=detail,
+    ), cap
 
 
 def static_packs(
@@ -85,23 +96,39 @@ def static_packs(
 
 
 def graph_step_check(
-    model: Any, shape: GptShape, docs: Sequence[np.ndarray], *, device: torch.device, dtype: torch.dtype,
-    seq_len: int, rows: int, cap: int, label: str, target: float | None,
-) -> list[Check]:  # fmt: skip
+    model: Any,
+    shape: GptShape,
+    docs: Sequence[np.ndarray],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    seq_len: int,
+    rows: int,
+    cap: int,
+    label: str,
+    target: float | None,
+) -> list[Check]:
     """Steps 2-4 of the module docstring on ``model``."""
     from megapack import GraphInputs, StaticShape, Topology, get_batch_on_this_tp_rank
     from megapack.core.static import segments_for
 
     topology = Topology.single(device)
     static = StaticShape(max_segments=segments_for(cap, rows), max_seqlen=seq_len)
-    packs = [get_batch_on_this_tp_rank(iter([b]), topology=topology, static=static)
-             for b in static_packs(docs, seq_len, rows, cap, PACKS)]  # fmt: skip
+    packs = [
+        get_batch_on_this_tp_rank(iter([b]), topology=topology, static=static)
+        for b in static_packs(docs, seq_len, rows, cap, PACKS)
+    ]
     inputs = GraphInputs(packs[0])
     name = f"graph: {label}, {PACKS} packs of {rows} x {seq_len} through one static shape"
 
     def step(batch: dict[str, Any]) -> torch.Tensor:
-        losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                       packed_seq_params=batch["packed_seq_params"])  # fmt: skip
+        losses = model(
+            batch["tokens"],
+            batch["position_ids"],
+            None,
+            labels=batch["labels"],
+            packed_seq_params=batch["packed_seq_params"],
+        )
         (losses.float() * batch["loss_mask"]).sum().backward()
         return losses
 
@@ -113,21 +140,40 @@ def graph_step_check(
         eager.append(step(inputs.load(b)).detach().float().clone())
         _sync(device)
         eager_s.append(time.perf_counter() - start)
-    checks = [Check(name=f"{name}: eager", status="passed" if all(torch.isfinite(x).all() for x in eager) else "failed",
-                    detail=f"median step {statistics.median(eager_s) * 1e3:.1f} ms; {len(packs)} packs, "
-                    f"cu_seqlens {static.max_segments + 1} entries, max_seqlen {seq_len}")]  # fmt: skip
+    checks = [
+        Check(
+            name=f"{name}: eager",
+            status="passed" if all(torch.isfinite(x).all() for x in eager) else "failed",
+            detail=f"median step {statistics.median(eager_s) * 1e3:.1f} ms; {len(packs)} packs, "
+            f"cu_seqlens {static.max_segments + 1} entries, max_seqlen {seq_len}",
+        )
+    ]
     if device.type != "cuda":
-        checks.append(Check(name=f"{name}: captured and replayed", status="skipped",
-                            detail="capture needs CUDA (torch.cuda.graph); the static batches, the graph "
-                            "inputs and the eager step ran here"))  # fmt: skip
+        checks.append(
+            Check(
+                name=f"{name}: captured and replayed",
+                status="skipped",
+                detail="capture needs CUDA (torch.cuda.graph); the static batches, the graph "
+                "inputs and the eager step ran here",
+            )
+        )
         return checks
     checks += _capture_and_replay(model, step, inputs, packs, eager, eager_s, device, name, target)
     return checks
 
 
-def _capture_and_replay(model: Any, step: Any, inputs: Any, packs: list[Any], eager: list[torch.Tensor],
-                        eager_s: list[float], device: torch.device, name: str, target: float | None) -> list[Check]:  # fmt: skip
-    from megapack.bench.gpu_checks import sync_debug_errors
+def _capture_and_replay(
+    model: Any,
+    step: Any,
+    inputs: Any,
+    packs: list[Any],
+    eager: list[torch.Tensor],
+    eager_s: list[float],
+    device: torch.device,
+    name: str,
+    target: float | None,
+) -> list[Check]:
+    from megapack.bench.gpu.syncs import sync_debug_errors
 
     static = inputs.load(packs[0])
     side = torch.cuda.Stream(device)
@@ -153,16 +199,27 @@ def _capture_and_replay(model: Any, step: Any, inputs: Any, packs: list[Any], ea
         replay_s.append(time.perf_counter() - start)
         worst = max(worst, float((losses.detach().float() - want).abs().max()))
     ratio = statistics.median(replay_s) / statistics.median(eager_s)
-    checks = [Check(name=f"{name}: replayed losses == eager (<= {BF16_LOSS:g}), 0 syncs per replay",
-                    status="passed" if worst <= BF16_LOSS else "failed",
-                    detail=f"largest per-token difference {worst:.2e} over {len(packs)} packs")]  # fmt: skip
-    detail = (f"replay {statistics.median(replay_s) * 1e3:.1f} ms vs eager {statistics.median(eager_s) * 1e3:.1f} ms "
-              f"(median): {ratio:.2f}x")  # fmt: skip
+    checks = [
+        Check(
+            name=f"{name}: replayed losses == eager (<= {BF16_LOSS:g}), 0 syncs per replay",
+            status="passed" if worst <= BF16_LOSS else "failed",
+            detail=f"largest per-token difference {worst:.2e} over {len(packs)} packs",
+        )
+    ]
+    detail = (
+        f"replay {statistics.median(replay_s) * 1e3:.1f} ms vs eager {statistics.median(eager_s) * 1e3:.1f} ms "
+        f"(median): {ratio:.2f}x"
+    )
     if target is None:
         checks.append(Check(name=f"{name}: replay time", status="info", detail=detail))
     else:
-        checks.append(Check(name=f"{name}: replay <= {target}x eager", status="passed" if ratio <= target else "failed",
-                            detail=detail))  # fmt: skip
+        checks.append(
+            Check(
+                name=f"{name}: replay <= {target}x eager",
+                status="passed" if ratio <= target else "failed",
+                detail=detail,
+            )
+        )
     return checks
 
 

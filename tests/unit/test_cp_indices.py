@@ -1,4 +1,4 @@
-"""megapack.core.cp: zigzag CP indices against a brute-force reference, TE's kernel, and bad spans."""
+"""megapack.core.cp_share: zigzag CP indices against a brute-force reference, TE's kernel, and bad spans."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megapack.core.cp import CP_LAYOUTS, check_cp_spans, cp_indices
+from megapack.core.cp_share import CP_LAYOUTS, check_cp_spans, cp_indices
 
 
 def reference(cu: list[int], cp: int, rank: int, layout: str) -> list[int]:

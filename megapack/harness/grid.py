@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megapack.core.cp import CpLayout
+from megapack.core.cp_share import CpLayout
 from megapack.distributed.topology import Topology
 
 
@@ -28,7 +28,7 @@ def grid_topology(tp: int, pp: int, cp: int = 1, cp_layout: CpLayout = "document
         tp: tensor-parallel size.
         pp: pipeline-parallel size.
         cp: context-parallel size.
-        cp_layout: "document" or "row" (`megapack.core.cp`), used when ``cp > 1``.
+        cp_layout: "document" or "row" (`megapack.core.cp_share`), used when ``cp > 1``.
 
     Raises:
         ValueError: a size is not a positive int, or the world size is not tp * pp * cp.

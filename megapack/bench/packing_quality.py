@@ -87,11 +87,16 @@ def _row(
     peak: int | None,
 ) -> dict[str, Any]:
     return {
-        "dataset": dataset, "algorithm": algorithm, "capacity": capacity, "rows": bins,
-        "efficiency": tokens / (bins * capacity), "lower_bound": bound,
-        "lower_bound_efficiency": tokens / (bound * capacity), "seconds": seconds,
+        "dataset": dataset,
+        "algorithm": algorithm,
+        "capacity": capacity,
+        "rows": bins,
+        "efficiency": tokens / (bins * capacity),
+        "lower_bound": bound,
+        "lower_bound_efficiency": tokens / (bound * capacity),
+        "seconds": seconds,
         "peak_mib": None if peak is None else peak / 2**20,
-    }  # fmt: skip
+    }
 
 
 def _lognormal(n: int) -> np.ndarray:

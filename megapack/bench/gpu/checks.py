@@ -1,6 +1,6 @@
 """The GPU kit's correctness checks: attention backends, packed == padded losses, no host syncs.
 
-Each function returns `megapack.bench.gpu_report.Check` lines; the kit (`megapack.bench.gpu_kit`)
+Each function returns `megapack.bench.gpu.report.Check` lines; the kit (`megapack.bench.gpu.kit`)
 turns any exception escaping one into a failed check, so a broken backend never stops the kit.
 
 (a) `attention_checks`: every backend of `megapack.attention.BACKENDS` through
@@ -16,7 +16,7 @@ turns any exception escaping one into a failed check, so a broken backend never 
 (b) `packed_vs_padded`: the same documents through one GPTModel twice, packed in one THD row and
     padded to the longest as ``[b, s]``, both delivered by `megapack.get_batch_on_this_tp_rank`;
     every trained token's loss must agree within `LOSS_TOLERANCE`.
-(c) `sync_checks`: after a warm-up, each of these runs under ``torch.cuda.set_sync_debug_mode("error")``:
+(c) the sync checks live in `megapack.bench.gpu.syncs`: after a warm-up, each of these runs under ``torch.cuda.set_sync_debug_mode("error")``:
     ``get_batch_on_this_tp_rank``, `megapack.prefetch`, a packed GPT forward + backward, a whole
     training step (megatron-core's schedule over several micro-batches fed by ``prefetch``, then
     the optimizer step), the same with aligned padding (``cu_seqlens_padded``), and every attention
@@ -42,18 +42,16 @@ than the earlier figures (a wrong mask moves every token of a document by far mo
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import statistics
 import time
-import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from megapack.bench.gpu_report import Check, Status
+from megapack.bench.gpu.report import Check, Status
 
 ATTENTION_TOLERANCE = {
     torch.float32: {"out": 1e-5, "grad": 1e-5},
@@ -75,11 +73,23 @@ def attention_cases(max_len: int) -> list[tuple[str, list[int], int]]:
     mixed = [1, max_len, 5, 1, 13, max_len // 2 + 3]
     return [
         (f"1-token and {max_len}-token documents", mixed, 1),
-        (f"1-token and {max_len}-token documents, each padded to a multiple of {PAD_MULTIPLE}", mixed, PAD_MULTIPLE),
+        (
+            f"1-token and {max_len}-token documents, each padded to a multiple of {PAD_MULTIPLE}",
+            mixed,
+            PAD_MULTIPLE,
+        ),
         (f"one {max_len}-token document filling the row", [max_len], 1),
-        (f"a static shape: {len(mixed)} documents and 4 zero-length ones after them", [*mixed, 0, 0, 0, 0], 1),
-        (f"a static shape, padded to a multiple of {PAD_MULTIPLE}, 4 zero-length documents", [*mixed, 0, 0, 0, 0], PAD_MULTIPLE),
-    ]  # fmt: skip
+        (
+            f"a static shape: {len(mixed)} documents and 4 zero-length ones after them",
+            [*mixed, 0, 0, 0, 0],
+            1,
+        ),
+        (
+            f"a static shape, padded to a multiple of {PAD_MULTIPLE}, 4 zero-length documents",
+            [*mixed, 0, 0, 0, 0],
+            PAD_MULTIPLE,
+        ),
+    ]
 
 
 def boundaries(lengths: Sequence[int], pad: int) -> tuple[list[int], list[int]]:
@@ -92,8 +102,13 @@ def boundaries(lengths: Sequence[int], pad: int) -> tuple[list[int], list[int]]:
 
 
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_real: list[int], cu_buffer: list[int], scale: float
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_real: list[int],
+    cu_buffer: list[int],
+    scale: float,
+) -> torch.Tensor:
     """Dense causal softmax attention within each document, zeros at padding; any dtype, differentiable."""
     repeat = q.shape[1] // k.shape[1]
     pieces = []
@@ -127,21 +142,41 @@ def attention_checks(
     for name in BACKENDS:
         training = backend_available(name, device, training=True, dtype=dtype)
         what = "fwd+bwd" if training or device.type == "cuda" else "fwd"
-        label = f"attention: {name}, {_dtype(dtype)}, {what} vs float64 reference"
+        label = f"attention: {name}, {dtype_name(dtype)}, {what} vs float64 reference"
         if not training and not backend_available(name, device, training=False, dtype=dtype):
             why = refusal(
                 name, device.type, dtype, training=True, dropout=0.0, installed=Installed.find()
             )
-            checks.append(Check(name=label, status="skipped", detail=f"cannot run on {device.type} {_dtype(dtype)}: {why}"))  # fmt: skip
+            checks.append(
+                Check(
+                    name=label,
+                    status="skipped",
+                    detail=f"cannot run on {device.type} {dtype_name(dtype)}: {why}",
+                )
+            )
             continue
         attend = functools.partial(packed_attention, backend=name)
-        checks.append(check_backend(
-            label, attend, device, dtype, heads=heads, groups=groups, head_dim=head_dim,
-            max_len=max_len, backward=training,
-        ))  # fmt: skip
+        checks.append(
+            check_backend(
+                label,
+                attend,
+                device,
+                dtype,
+                heads=heads,
+                groups=groups,
+                head_dim=head_dim,
+                max_len=max_len,
+                backward=training,
+            )
+        )
     auto = choose_backend(device, dtype, training=True)
-    checks.append(Check(name=f"attention: auto on {device.type}, {_dtype(dtype)}", status="info",
-                        detail=f"choose_backend picks {auto!r} for training"))  # fmt: skip
+    checks.append(
+        Check(
+            name=f"attention: auto on {device.type}, {dtype_name(dtype)}",
+            status="info",
+            detail=f"choose_backend picks {auto!r} for training",
+        )
+    )
     return checks
 
 
@@ -150,9 +185,16 @@ FLEX_OVER_VARLEN = 1.5
 
 
 def attention_timing(
-    device: torch.device, dtype: torch.dtype, *, lengths: Sequence[int], heads: int, groups: int,
-    head_dim: int, repeats: int, warmup: int = 3,
-) -> list[Check]:  # fmt: skip
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    lengths: Sequence[int],
+    heads: int,
+    groups: int,
+    head_dim: int,
+    repeats: int,
+    warmup: int = 3,
+) -> list[Check]:
     """Median fwd+bwd seconds of every backend that trains here, on one row of ``lengths``, and
     the target flex <= `FLEX_OVER_VARLEN` x torch_varlen (where both train, i.e. on a GPU).
 
@@ -185,14 +227,21 @@ def attention_timing(
             if i >= warmup:
                 samples.append(time.perf_counter() - start)
         times[name] = statistics.median(samples)
-    row = (f"one row of {len(lengths)} documents ({total:,} tokens), {heads} heads / {groups} "
-           f"groups x {head_dim}, {_dtype(dtype)}")  # fmt: skip
+    row = (
+        f"one row of {len(lengths)} documents ({total:,} tokens), {heads} heads / {groups} "
+        f"groups x {head_dim}, {dtype_name(dtype)}"
+    )
     measured = (
         ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in times.items()) or "no backend trains here"
     )
-    checks = [Check(name=f"attention time: fwd+bwd, {row}", status="info",
-                    detail=f"median of {repeats} after {warmup} untimed: {measured}")]  # fmt: skip
-    checks.append(flex_target(times, row, where=f"{device.type} {_dtype(dtype)}"))
+    checks = [
+        Check(
+            name=f"attention time: fwd+bwd, {row}",
+            status="info",
+            detail=f"median of {repeats} after {warmup} untimed: {measured}",
+        )
+    ]
+    checks.append(flex_target(times, row, where=f"{device.type} {dtype_name(dtype)}"))
     return checks
 
 
@@ -208,9 +257,18 @@ def flex_target(times: dict[str, float], row: str, *, where: str) -> Check:
 
 
 def check_backend(
-    label: str, attend: Callable[..., torch.Tensor], device: torch.device, dtype: torch.dtype, *,
-    heads: int, groups: int, head_dim: int, max_len: int, backward: bool = True, seed: int = 0,
-) -> Check:  # fmt: skip
+    label: str,
+    attend: Callable[..., torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    heads: int,
+    groups: int,
+    head_dim: int,
+    max_len: int,
+    backward: bool = True,
+    seed: int = 0,
+) -> Check:
     """``attend(q, k, v, cu_seqlens=..., cu_seqlens_padded=..., max_seqlen=...)`` against the reference."""
     tolerance = ATTENTION_TOLERANCE[dtype]
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -254,7 +312,11 @@ def check_backend(
         return Check(
             name=label, status="failed", detail=f"{scope}{'; '.join(problems)} ({limits}; {sizes})"
         )
-    return Check(name=label, status="passed", detail=f"{scope}worst relative error {errors} ({limits}; {sizes}; 3 cases)")  # fmt: skip
+    return Check(
+        name=label,
+        status="passed",
+        detail=f"{scope}worst relative error {errors} ({limits}; {sizes}; 3 cases)",
+    )
 
 
 def _compare(
@@ -282,9 +344,16 @@ def _padding_mask(cu_real: list[int], cu_buffer: list[int], device: torch.device
 
 
 def packed_vs_padded(
-    model: Any, *, device: torch.device, dtype: torch.dtype, lengths: Sequence[int], seq_len: int,
-    vocab_size: int, label: str, seed: int = 0,
-) -> Check:  # fmt: skip
+    model: Any,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    lengths: Sequence[int],
+    seq_len: int,
+    vocab_size: int,
+    label: str,
+    seed: int = 0,
+) -> Check:
     """Per-token losses of one packed THD row == those of the documents padded to their longest."""
     from megapack import PackedBatch, Topology, get_batch_on_this_tp_rank
     from megapack.bench.layouts import micro_batches
@@ -302,8 +371,13 @@ def packed_vs_padded(
         with torch.no_grad():
             for item in (packed, padded):
                 b = get_batch_on_this_tp_rank(iter([item]), topology=topology)
-                out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"],
-                            packed_seq_params=b["packed_seq_params"])  # fmt: skip
+                out = model(
+                    b["tokens"],
+                    b["position_ids"],
+                    b["attention_mask"],
+                    labels=b["labels"],
+                    packed_seq_params=b["packed_seq_params"],
+                )
                 losses.append(out.float().cpu())
     finally:
         model.train(training)
@@ -314,231 +388,22 @@ def packed_vs_padded(
         values.append(padded_loss[i, : n - 1])
         start += n
     diff, value = torch.cat(diffs), torch.cat(values)
-    what = (f"{len(lengths)} documents ({min(lengths)}-{max(lengths)} tokens) in one {seq_len}-token "
-            f"row vs padded to {max(lengths)}; {diff.numel()} trained tokens, mean loss {value.mean():.3f}")  # fmt: skip
+    what = (
+        f"{len(lengths)} documents ({min(lengths)}-{max(lengths)} tokens) in one {seq_len}-token "
+        f"row vs padded to {max(lengths)}; {diff.numel()} trained tokens, mean loss {value.mean():.3f}"
+    )
     if not (torch.isfinite(diff).all() and torch.isfinite(value).all()):
         return Check(name=label, status="failed", detail=f"NaN or inf in the losses; {what}")
     worst = diff.max().item()
     status: Status = "passed" if worst <= tolerance else "failed"
-    return Check(name=label, status=status, detail=(
-        f"largest per-token difference {worst:.2e} (mean {diff.mean():.1e}), tolerance {tolerance:g}; {what}"))  # fmt: skip
+    return Check(
+        name=label,
+        status=status,
+        detail=(
+            f"largest per-token difference {worst:.2e} (mean {diff.mean():.1e}), tolerance {tolerance:g}; {what}"
+        ),
+    )
 
 
-@contextlib.contextmanager
-def sync_debug_errors(device: torch.device) -> Iterator[bool]:
-    """``torch.cuda.set_sync_debug_mode("error")`` inside; yields whether syncs are detected (CUDA only)."""
-    if device.type != "cuda":
-        yield False
-        return
-    torch.cuda.synchronize(device)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield True
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize(device)
-
-
-def sync_checks(
-    model: Any, batches: list[Any], *, device: torch.device,
-    guard: Callable[[torch.device], contextlib.AbstractContextManager[bool]] = sync_debug_errors,
-) -> list[Check]:  # fmt: skip
-    """Each step warmed up once, then run inside ``guard``; a raised error is a failed check with its stack.
-
-    ``batches``: at least 8 packed micro-batches (`megapack.PackedBatch`). Without CUDA the steps
-    still run (so their code is exercised) and the checks are skipped: nothing detects syncs there.
-    The positive control comes first: a guard that does not raise on a planted ``.item()`` fails
-    it, and the report says so (`step_sync_checks` and `backend_sync_checks` add whole steps and
-    every attention backend).
-    """
-    from megapack import Topology, get_batch_on_this_tp_rank, prefetch
-    from megapack.megatron.loss import masked_mean_loss
-
-    if len(batches) < 8:
-        raise ValueError(f"sync_checks needs at least 8 micro-batches, got {len(batches)}")
-    topology = Topology.single(device)
-    data = iter(batches)
-    fetch = lambda: get_batch_on_this_tp_rank(data, topology=topology)  # noqa: E731
-
-    def train_step(batch: dict[str, Any]) -> None:
-        out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                    labels=batch["labels"], packed_seq_params=batch["packed_seq_params"])  # fmt: skip
-        loss, _ = masked_mean_loss(batch["loss_mask"], out)
-        loss.backward()
-
-    checks = [positive_control(device, guard)]
-    first, second = (get_batch_on_this_tp_rank(iter([b]), topology=topology) for b in batches[:2])
-    checks.append(_guarded("sync: get_batch_on_this_tp_rank (tp=1), 3 calls", fetch,
-                           lambda: [fetch() for _ in range(3)], device, guard))  # fmt: skip
-    with prefetch(iter(batches), topology=topology, depth=2) as ahead:
-        take = lambda: next(ahead)  # noqa: E731
-        takes = lambda: [next(ahead) for _ in range(4)]  # noqa: E731  (the thread fetches under the guard)
-        checks.append(_guarded("sync: prefetch(depth=2), 4 batches", take, takes, device, guard))
-    checks.append(_guarded("sync: packed GPT forward + backward", lambda: train_step(first),
-                           lambda: train_step(second), device, guard))  # fmt: skip
-    model.zero_grad(set_to_none=True)
-    return checks
-
-
-def step_sync_checks(
-    model: Any, batches: list[Any], documents: Sequence[np.ndarray], seq_len: int, *,
-    device: torch.device,
-    guard: Callable[[torch.device], contextlib.AbstractContextManager[bool]] = sync_debug_errors,
-) -> list[Check]:  # fmt: skip
-    """Whole training steps under ``guard``: megatron-core's schedule over 3 micro-batches of
-    ``batches`` fed by ``prefetch``, then the optimizer; and the same over ``documents`` packed
-    into ``seq_len`` rows with every document padded to a multiple of `PAD_MULTIPLE`."""
-    from megapack import PackedBatch, Topology
-
-    if len(batches) < 6:
-        raise ValueError(f"step_sync_checks needs at least 6 micro-batches, got {len(batches)}")
-    whole = functools.partial(_whole_step, model, Topology.single(device))
-    aligned = [PackedBatch.from_documents(row, seq_len=seq_len, pad_to_multiple_of=PAD_MULTIPLE)
-               for row in _aligned_rows(documents, seq_len, count=4)]  # fmt: skip
-    checks = [
-        _guarded("sync: whole step: megatron-core schedule over 3 micro-batches fed by "
-                 "prefetch(depth=2), then SGD", lambda: whole(batches[:3]), lambda: whole(batches[3:6]),
-                 device, guard),
-        _guarded(f"sync: whole step, documents padded to multiples of {PAD_MULTIPLE} "
-                 "(cu_seqlens_padded)", lambda: whole(aligned[:2]), lambda: whole(aligned[2:]),
-                 device, guard),
-    ]  # fmt: skip
-    model.zero_grad(set_to_none=True)
-    return checks
-
-
-def _aligned_rows(
-    documents: Sequence[np.ndarray], seq_len: int, *, count: int
-) -> list[list[np.ndarray]]:
-    """``count`` rows of documents, in order, each fitting ``seq_len`` once every document is
-    padded to a multiple of `PAD_MULTIPLE` (longer documents are left out)."""
-    rows: list[list[np.ndarray]] = [[]]
-    used = 0
-    for doc in documents:
-        size = -(-len(doc) // PAD_MULTIPLE) * PAD_MULTIPLE
-        if size > seq_len:
-            continue
-        if used + size > seq_len:
-            if len(rows) == count:
-                break
-            rows.append([])
-            used = 0
-        rows[-1].append(doc)
-        used += size
-    if len(rows) < count or not rows[-1]:
-        raise ValueError(
-            f"the documents fill only {len(rows)} aligned rows of {seq_len}; {count} needed"
-        )
-    return rows
-
-
-def positive_control(
-    device: torch.device,
-    guard: Callable[[torch.device], contextlib.AbstractContextManager[bool]] = sync_debug_errors,
-) -> Check:
-    """The detector's own check: a planted ``.item()`` on a device tensor must raise inside ``guard``."""
-    label = "sync: positive control (a planted .item() must trip the detector)"
-    planted = torch.ones(2, device=device)
-    detecting = raised = False
-    try:
-        with guard(device) as detecting:
-            (planted * 2).sum().item()
-    except RuntimeError:
-        raised = True
-    if not detecting:
-        return Check(
-            name=label, status="skipped", detail=f"needs CUDA; {device.type} cannot detect syncs"
-        )
-    if raised:
-        return Check(name=label, status="passed", detail="the planted .item() raised")
-    return Check(name=label, status="failed",
-                 detail="the planted .item() did not raise: the sync checks detect nothing")  # fmt: skip
-
-
-def _whole_step(model: Any, topology: Any, batches: list[Any]) -> None:
-    """One training step as Megatron runs it: the schedule over ``batches``, each delivered ahead by
-    ``prefetch`` (the README's loop: ``forward_step`` takes the next delivered batch), then SGD."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megapack import prefetch
-    from megapack.megatron.loss import masked_mean_loss
-
-    def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
-        batch = next(data_iterator)
-        out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                    labels=batch["labels"], packed_seq_params=batch["packed_seq_params"])  # fmt: skip
-        return out, functools.partial(masked_mean_loss, batch["loss_mask"])
-
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=0.0
-    )  # runs the update's kernels, moves nothing
-    width = int(batches[0].tokens.shape[1])
-    with prefetch(iter(batches), topology=topology, depth=2) as ahead:
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=ahead, model=[model],
-            num_microbatches=len(batches), seq_length=width, micro_batch_size=1, forward_only=False,
-        )  # fmt: skip
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def backend_sync_checks(
-    device: torch.device, dtype: torch.dtype,
-    guard: Callable[[torch.device], contextlib.AbstractContextManager[bool]] = sync_debug_errors,
-) -> list[Check]:  # fmt: skip
-    """Every attention backend that trains in ``dtype`` here: fwd+bwd of one packed row, guarded."""
-    from megapack.attention import BACKENDS, backend_available, packed_attention
-
-    lengths = [1, 37, 64, 5, 19]
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(sum(lengths), h, 64, device=device, dtype=dtype, generator=gen)
-               for h in (4, 2, 2))  # fmt: skip
-    checks = []
-    for name in BACKENDS:
-        if not backend_available(name, device, training=True, dtype=dtype):
-            continue
-
-        def run(name: str = name) -> None:
-            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-            packed_attention(
-                qq, kk, vv, cu_seqlens=cu, max_seqlen=max(lengths), backend=name
-            ).sum().backward()
-
-        checks.append(
-            _guarded(f"sync: attention {name}, {_dtype(dtype)}, fwd+bwd", run, run, device, guard)
-        )
-    return checks
-
-
-def _guarded(
-    label: str, warm: Callable[[], Any], run: Callable[[], Any], device: torch.device,
-    guard: Callable[[torch.device], contextlib.AbstractContextManager[bool]],
-) -> Check:  # fmt: skip
-    try:
-        warm()
-    except Exception as exc:
-        stack = "".join(traceback.format_exception(exc)).splitlines()
-        return Check(
-            name=label,
-            status="failed",
-            detail=f"warm-up failed: {type(exc).__name__}: {exc}\n" + "\n".join(stack[-40:]),
-        )
-    try:
-        with guard(device) as detecting:
-            run()
-    except Exception as exc:
-        stack = "".join(traceback.format_exception(exc)).splitlines()
-        return Check(
-            name=label,
-            status="failed",
-            detail=f"{type(exc).__name__}: {exc}\n" + "\n".join(stack[-40:]),
-        )
-    if not detecting:
-        return Check(name=label, status="skipped", detail=(
-            f"needs CUDA (torch.cuda.set_sync_debug_mode); the same steps ran on {device.type} without it"))  # fmt: skip
-    return Check(name=label, status="passed", detail="0 synchronizing CUDA calls after warm-up")
-
-
-def _dtype(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")

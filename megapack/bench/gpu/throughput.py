@@ -1,8 +1,8 @@
 """GPU throughput at real size: packing against the baselines a practitioner picks, on one GPU.
 
-The kit's throughput section (``bash scripts/gpu_check.sh``, `megapack.bench.gpu_kit`). One rank
+The kit's throughput section (``bash scripts/gpu_check.sh``, `megapack.bench.gpu.kit`). One rank
 (torch.distributed world of 1, megatron-core ``initialize_model_parallel(1, 1)``) trains the
-`megapack.bench.gpu_model.PRESET` GPT (0.84B, bf16 through ``Float16Module``) with megatron-core's
+`megapack.bench.gpu.model.PRESET` GPT (0.84B, bf16 through ``Float16Module``) with megatron-core's
 ``get_forward_backward_func`` schedule; every micro-batch reaches the model through
 `megapack.get_batch_on_this_tp_rank` (tp=1) inside the pretrain_gpt-style
 `megapack.harness.gpt.forward_step`. The same documents are laid out in every mode of
@@ -13,7 +13,7 @@ Per (sequence length, length mix, mode): warm-up steps, then ``steps`` timed ste
 schedule call over every micro-batch plus an SGD step, between two ``torch.cuda.synchronize()``;
 every step's seconds are kept, and `megapack.bench.baselines.summarize` reports the ratios' median,
 min and max, the slot ratio and the executed-FLOP ideal, executed TFLOP/s, and MFU against the
-device's bf16 peak (`megapack.bench.devices`) with the fraction of the measured matmul beside it.
+device's bf16 peak (`megapack.bench.gpu.devices`) with the fraction of the measured matmul beside it.
 
 Length mixes (`length_mixes`): ``openchat`` samples the bundled OpenChat V1 lengths as they are
 (capped at 2,048 tokens, so a 4,096 row holds two or more documents); ``sft-short`` is lognormal
@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from megapack.bench.gpu_model import GptShape
-from megapack.bench.gpu_report import Check
+from megapack.bench.gpu.model import GptShape
+from megapack.bench.gpu.report import Check
 from megapack.bench.layouts import LABELS, MODES, layout_cost, micro_batches
 
 MIXES = ("openchat", "sft-short")
@@ -120,19 +120,27 @@ def run_gpu_throughput(
             layouts = {m: micro_batches(m, docs, seq_len, sizes.rows, seed=seed) for m in modes}
             costs = {m: layout_cost(batches) for m, batches in layouts.items()}
             estimate = (
-                1.5 * (sizes.warmup + sizes.steps)
-                * sum(step_estimate(measured.get((mix, m)), seq_len, c.slots, per_slot)
-                      for m, c in costs.items())
-            )  # fmt: skip
+                1.5
+                * (sizes.warmup + sizes.steps)
+                * sum(
+                    step_estimate(measured.get((mix, m)), seq_len, c.slots, per_slot)
+                    for m, c in costs.items()
+                )
+            )
             late = deadline is not None and time.perf_counter() + estimate > deadline
             for mode, batches in layouts.items():
                 cost = costs[mode]
                 row: dict[str, Any] = {
-                    "config": f"{mix}, seq {seq_len}", "seq_len": seq_len, "mix": mix,
-                    "mode": mode, "slots": cost.slots, "tokens": sum(mixes[mix]),
+                    "config": f"{mix}, seq {seq_len}",
+                    "seq_len": seq_len,
+                    "mix": mix,
+                    "mode": mode,
+                    "slots": cost.slots,
+                    "tokens": sum(mixes[mix]),
                     "useful_flops": shape.training_flops(mixes[mix]),
-                    "executed_flops": cost.executed_flops(shape), "micro_batches": len(batches),
-                }  # fmt: skip
+                    "executed_flops": cost.executed_flops(shape),
+                    "micro_batches": len(batches),
+                }
                 if late:
                     rows.append(
                         row | {"status": "skipped", "detail": f"deadline: needs ~{estimate:.0f} s"}
@@ -140,11 +148,17 @@ def run_gpu_throughput(
                     continue
                 try:
                     times = time_steps(
-                        schedule, step_fn, model, optimizer, batches, device,
+                        schedule,
+                        step_fn,
+                        model,
+                        optimizer,
+                        batches,
+                        device,
                         width=sizes.rows * seq_len if mode == "packed" else None,
                         micro_batch_size=1 if mode == "packed" else None,
-                        warmup=sizes.warmup, steps=sizes.steps,
-                    )  # fmt: skip
+                        warmup=sizes.warmup,
+                        steps=sizes.steps,
+                    )
                 except Exception as exc:  # e.g. torch.OutOfMemoryError: record it, go on
                     rows.append(row | {"status": "error", "detail": f"{type(exc).__name__}: {exc}"})
                     optimizer.zero_grad(set_to_none=True)
@@ -154,8 +168,15 @@ def run_gpu_throughput(
                 step_s = statistics.median(times)
                 per_slot.append(step_s / cost.slots)
                 measured[(mix, mode)] = (seq_len, cost.slots, step_s)
-                rows.append(row | {"status": "ok", "step_times": times, "step_s": step_s,
-                                   "tokens_per_s": row["tokens"] / step_s})  # fmt: skip
+                rows.append(
+                    row
+                    | {
+                        "status": "ok",
+                        "step_times": times,
+                        "step_s": step_s,
+                        "tokens_per_s": row["tokens"] / step_s,
+                    }
+                )
     optimizer.zero_grad(set_to_none=True)
     return rows
 
@@ -174,10 +195,18 @@ def step_estimate(
 
 
 def time_steps(
-    schedule: Any, step_fn: Any, model: Any, optimizer: torch.optim.Optimizer, batches: list[Any],
-    device: torch.device, *, width: int | None, micro_batch_size: int | None, warmup: int,
+    schedule: Any,
+    step_fn: Any,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    batches: list[Any],
+    device: torch.device,
+    *,
+    width: int | None,
+    micro_batch_size: int | None,
+    warmup: int,
     steps: int,
-) -> list[float]:  # fmt: skip
+) -> list[float]:
     """Seconds of each of ``steps`` training steps (schedule + SGD) after ``warmup`` untimed ones.
 
     ``width`` / ``micro_batch_size`` None: each step's from its first plain micro-batch (the
@@ -191,10 +220,14 @@ def time_steps(
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         schedule(
-            forward_step_func=step_fn, data_iterator=iter(batches), model=[model],
-            num_microbatches=len(batches), seq_length=width, micro_batch_size=micro_batch_size,
+            forward_step_func=step_fn,
+            data_iterator=iter(batches),
+            model=[model],
+            num_microbatches=len(batches),
+            seq_length=width,
+            micro_batch_size=micro_batch_size,
             forward_only=False,
-        )  # fmt: skip
+        )
         optimizer.step()
         _synchronize(device)
         if i >= warmup:
@@ -212,7 +245,7 @@ TARGETS = {"vs_grouped": 1.0, "of_ceiling": 0.95, "mfu": 0.40}
 at least 1.0x the length-grouped token-budget padding in real tokens/s, packed executed TFLOP/s at
 least 0.95x the ceiling's (packing costs at most 5%), packed MFU against the device's bf16 peak at
 least 40%; and no synchronizing CUDA call over a whole step, with the positive control tripping
-(`megapack.bench.gpu_checks.sync_checks`)."""
+(`megapack.bench.gpu.checks.sync_checks`)."""
 
 
 def target_checks(
@@ -243,27 +276,44 @@ def target_checks(
     ceiling = entries.get((where, LABELS["ceiling"]), {})
     checks = []
     ratio = grouped.get("ratio")
-    checks.append(_verdict(names["grouped"], ratio is not None and ratio >= TARGETS["vs_grouped"],
-                           "not measured" if ratio is None else _spread(grouped)))  # fmt: skip
+    checks.append(
+        _verdict(
+            names["grouped"],
+            ratio is not None and ratio >= TARGETS["vs_grouped"],
+            "not measured" if ratio is None else _spread(grouped),
+        )
+    )
     packed, top = ceiling.get("packed_tflops"), ceiling.get("baseline_tflops")
     if packed is not None and top:
-        checks.append(_verdict(names["ceiling"], packed / top >= TARGETS["of_ceiling"],
-                               f"{packed:.0f} / {top:.0f} TFLOP/s = {packed / top:.3f}"))  # fmt: skip
+        checks.append(
+            _verdict(
+                names["ceiling"],
+                packed / top >= TARGETS["of_ceiling"],
+                f"{packed:.0f} / {top:.0f} TFLOP/s = {packed / top:.3f}",
+            )
+        )
     else:
         checks.append(_verdict(names["ceiling"], False, "not measured"))
     mfu = grouped.get("mfu")
     detail = "not measured (or an unknown device: no peak)" if mfu is None else f"{mfu:.1%}"
     checks.append(_verdict(names["mfu"], mfu is not None and mfu >= TARGETS["mfu"], detail))
     failed = [c.name for c in sync if c.status != "passed"]
-    checks.append(_verdict(names["sync"], bool(sync) and not failed,
-                           f"not passed: {failed}" if failed else f"{len(sync)} sync checks passed"))  # fmt: skip
+    checks.append(
+        _verdict(
+            names["sync"],
+            bool(sync) and not failed,
+            f"not passed: {failed}" if failed else f"{len(sync)} sync checks passed",
+        )
+    )
     return checks
 
 
 def _spread(entry: dict[str, Any]) -> str:
     noisy = "; NOISY: the spread exceeds 10%" if entry.get("noisy") else ""
-    return (f"median {entry['ratio']:.2f}x (min {entry['ratio_min']:.2f}, max {entry['ratio_max']:.2f})"
-            f"{noisy}")  # fmt: skip
+    return (
+        f"median {entry['ratio']:.2f}x (min {entry['ratio_min']:.2f}, max {entry['ratio_max']:.2f})"
+        f"{noisy}"
+    )
 
 
 def _verdict(name: str, ok: bool, detail: str) -> Check:

@@ -1,10 +1,10 @@
-"""megapack.bench.balance: both plans on real-looking lengths, the target verdict, the report."""
+"""megapack.bench.dp_balance: both plans on real-looking lengths, the target verdict, the report."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from megapack.bench.balance import long_tail_lengths, markdown, run_balance
+from megapack.bench.dp_balance import long_tail_lengths, markdown, run_balance
 
 
 def test_balance_bench_rows_and_verdict() -> None:

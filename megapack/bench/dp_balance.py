@@ -68,11 +68,17 @@ def run_balance(lengths: list[int], long_tail_n: int, seed: int = 0) -> list[dic
                 loss_pt = 100 * (r["efficiency_token_plan"] - r["efficiency_compute_plan"])
                 checked = name == "openchat" and dp == 8
                 ok = compute <= target and loss_pt <= TARGET_EFFICIENCY_PT
-                rows.append({
-                    **r, "dataset": name, "cost": cost_name, "seq_len": OPENCHAT_CAP,
-                    "target_imbalance": target, "efficiency_loss_pt": loss_pt,
-                    "verdict": ("pass" if ok else "FAIL") if checked else "",
-                })  # fmt: skip
+                rows.append(
+                    {
+                        **r,
+                        "dataset": name,
+                        "cost": cost_name,
+                        "seq_len": OPENCHAT_CAP,
+                        "target_imbalance": target,
+                        "efficiency_loss_pt": loss_pt,
+                        "verdict": ("pass" if ok else "FAIL") if checked else "",
+                    }
+                )
     return rows
 
 
@@ -108,8 +114,14 @@ def run_balance_timing(
     megatron_on_cpu()
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     model_parallel_cuda_manual_seed(seed)
-    gpt = tiny_gpt(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                   vocab_size=256, max_sequence_length=seq_len)  # fmt: skip
+    gpt = tiny_gpt(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=256,
+        max_sequence_length=seq_len,
+    )
     model = gpt.build()
     init_weights(model, seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -135,10 +147,14 @@ def run_balance_timing(
         start = time.perf_counter()
         optimizer.zero_grad()
         schedule(
-            forward_step_func=functools.partial(forward_step, topology), data_iterator=iter([batch]),
-            model=[model], num_microbatches=1, seq_length=seq_len, micro_batch_size=1,
+            forward_step_func=functools.partial(forward_step, topology),
+            data_iterator=iter([batch]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=seq_len,
+            micro_batch_size=1,
             forward_only=False,
-        )  # fmt: skip
+        )
         optimizer.step()
         return time.perf_counter() - start
 
@@ -172,13 +188,26 @@ def run_balance_timing(
         per_rank = step_time.reshape(-1, micro_batches, dp).sum(axis=1)  # [steps, dp]
         full = len(packed.bin_offsets[:-1]) // per_batch
         model = rank_costs(order, flops.bin_costs(packed.slices, packed.bin_offsets), **layout)
-        out.append({
-            "mode": mode, "cost": name or "-", "dp_size": dp, "micro_batches": micro_batches,
-            "seq_len": seq_len, "steps": len(per_rank), "rows": packed.num_bins, "repeats": repeats,
-            "slowest_rank_s": float(per_rank.max(axis=1).sum()), "ideal_s": float(per_rank.mean(axis=1).sum()),
-            "measured_imbalance": float(np.mean(per_rank[:full].max(axis=1) / per_rank[:full].mean(axis=1))),
-            "flops_imbalance": float(np.mean(model[:full].max(axis=1) / model[:full].mean(axis=1))),
-        })  # fmt: skip
+        out.append(
+            {
+                "mode": mode,
+                "cost": name or "-",
+                "dp_size": dp,
+                "micro_batches": micro_batches,
+                "seq_len": seq_len,
+                "steps": len(per_rank),
+                "rows": packed.num_bins,
+                "repeats": repeats,
+                "slowest_rank_s": float(per_rank.max(axis=1).sum()),
+                "ideal_s": float(per_rank.mean(axis=1).sum()),
+                "measured_imbalance": float(
+                    np.mean(per_rank[:full].max(axis=1) / per_rank[:full].mean(axis=1))
+                ),
+                "flops_imbalance": float(
+                    np.mean(model[:full].max(axis=1) / model[:full].mean(axis=1))
+                ),
+            }
+        )
     token_s = float(out[0]["slowest_rank_s"])
     for r in out:
         r["speedup_vs_token"] = token_s / r["slowest_rank_s"]

@@ -1,4 +1,4 @@
-"""megapack.core.items: what an iterator may yield, turned into one checked value per schema field
+"""megapack.core.normalize: what an iterator may yield, turned into one checked value per schema field
 (`normalize`); every refusal names the key, its value and the fix, in full."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from megapack import BatchField, PackedBatch
 from megapack.core.fields import schema_of
-from megapack.core.items import Layout, normalize
+from megapack.core.normalize import Layout, normalize
 
 S = 8
 SCHEMA = schema_of()

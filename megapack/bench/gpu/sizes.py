@@ -1,0 +1,72 @@
+"""The GPU kit's sizes: `FULL` on one GPU, `DRY` for the CPU dry run (`KitSizes`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from megapack.bench.gpu.model import PRESET, TOY, GptShape
+from megapack.bench.gpu.throughput import ThroughputSizes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KitSizes:
+    """Everything the kit runs, at one size."""
+
+    shape: GptShape
+    """The throughput model (and the bf16 packed == padded check's)."""
+    dtype: torch.dtype
+    """Its dtype: bf16 on a GPU, fp32 in the dry run."""
+    fp32_shape: GptShape
+    """The fp32 packed == padded check's model."""
+    attention: dict[str, int]
+    """heads, groups, head_dim, max_len of the attention checks."""
+    loss_lengths: tuple[int, ...]
+    """Document lengths of the packed == padded checks (one row of ``throughput.seq_lens[0]``)."""
+    timing_lengths: tuple[int, ...]
+    """Document lengths of the one row the attention backends are timed on."""
+    timing_repeats: int
+    """Timed fwd+bwd calls per backend (the median counts), after 3 untimed ones."""
+    throughput: ThroughputSizes
+    """The throughput section's sizes."""
+    matmul_n: int
+    """Side of the square matmul that measures the ceiling."""
+    budget_s: float
+    """Seconds from the kit's start after which no further throughput configuration starts."""
+
+
+FULL = KitSizes(
+    shape=PRESET,
+    dtype=torch.bfloat16,
+    fp32_shape=dataclasses.replace(PRESET, num_layers=4),
+    attention={"heads": 16, "groups": 4, "head_dim": 128, "max_len": 4096},
+    loss_lengths=(1, 7, 1500, 33, 1024, 2, 511, 900),
+    timing_lengths=(2048, 2048, 1893, 2048, 1207, 2048, 1058, 2048),  # 14,398 tokens, 8 documents
+    timing_repeats=20,
+    throughput=ThroughputSizes(
+        seq_lens=(4096, 8192), documents=64, rows=2, warmup=1, steps=5, length_scale=1.0
+    ),
+    matmul_n=8192,
+    budget_s=270.0,
+)
+"""One GPU: the 0.84B preset at seq 4,096 (then 8,192 while the budget lasts); under 6 minutes."""
+KIT_TARGET_S = 360.0
+"""Target: the whole kit within 6 minutes on the device."""
+
+DRY = KitSizes(
+    shape=TOY,
+    dtype=torch.float32,
+    fp32_shape=TOY,
+    attention={"heads": 4, "groups": 2, "head_dim": 16, "max_len": 64},
+    loss_lengths=(1, 7, 40, 3, 30, 2, 20),
+    timing_lengths=(64, 64, 59, 64, 38, 64, 33, 64),
+    timing_repeats=2,
+    throughput=ThroughputSizes(
+        seq_lens=(128, 256), documents=16, rows=2, warmup=1, steps=3, length_scale=1 / 16
+    ),
+    matmul_n=512,
+    budget_s=600.0,
+)
+"""CPU: the same steps, toy sizes, fp32."""
