@@ -41,7 +41,9 @@ from megapack.core.seq_params import make_packed_seq_params
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
 
-Document = Sequence[int] | np.ndarray | torch.Tensor | Mapping[str, Any]
+DocumentLike = Sequence[int] | np.ndarray | torch.Tensor | Mapping[str, Any]
+"""What `PackedBatch.from_documents` takes as one document: token ids (a list, a numpy array, a 1-D
+tensor), a dict with ``tokens`` (and ``loss_mask``), or a `megapack.data.Document`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -183,7 +185,7 @@ class PackedBatch:
     @classmethod
     def from_documents(
         cls,
-        docs: Sequence[Document],
+        docs: Sequence[DocumentLike],
         *,
         seq_len: int | None = None,
         pad_to_multiple_of: int = 1,
@@ -359,7 +361,7 @@ def _check_cu(name: str, cu: Any) -> tuple[np.ndarray, np.ndarray]:
     return values, lengths
 
 
-def _document_arrays(index: int, doc: Document) -> tuple[np.ndarray, np.ndarray]:
+def _document_arrays(index: int, doc: DocumentLike) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, target mask) of one document as numpy arrays."""
     mask: Any = None
     if hasattr(doc, "tokens") and hasattr(doc, "loss_mask"):  # a megapack.data.Document

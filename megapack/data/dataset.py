@@ -29,7 +29,6 @@ pieces), the same in memory and on disk: `save` writes them, `load` memory-maps 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,8 +45,8 @@ from megapack.core.loss_fields import (
     warn_if_untrained,
 )
 from megapack.data.document import Document
-from megapack.data.layout import FORMAT_VERSION, check_layout, plan_layout
-from megapack.data.resume import DatasetIterator
+from megapack.data.layout import check_layout, plan_layout, read_layout, write_layout
+from megapack.data.resume import DatasetIterator, state_after
 from megapack.data.split import split_document
 from megapack.packing.names import BALANCE_MODES, LONG_DOC_POLICIES
 
@@ -55,8 +54,6 @@ if TYPE_CHECKING:
     from megapack.packing.cost import CostModel
 
 LONG_DOCS = LONG_DOC_POLICIES  # the one list, in megapack.packing.names
-STATE_VERSION = 1
-"""Version of `DatasetIterator.state_dict`."""
 
 
 class PackedDataset:
@@ -218,11 +215,17 @@ class PackedDataset:
     def seq_len(self) -> int:
         return int(self.meta["seq_len"])
 
-    def set_epoch(self, epoch: int) -> None:
-        """Reshuffle the rows for ``epoch`` (the same order on every rank), planned for this
-        dataset's own ``dp_size`` and ``micro_batches``."""
+    @property
+    def plan(self) -> tuple[int, int]:
+        """(dp_size, micro_batches) this epoch's order is planned for."""
+        return self._plan
+
+    def set_epoch(self, epoch: int, *, plan: tuple[int, int] | None = None) -> None:
+        """Reshuffle the rows for ``epoch`` (the same order on every rank), planned for ``plan``,
+        (dp_size, micro_batches): by default this dataset's own; a resumed epoch keeps its
+        checkpoint's (`DatasetIterator.load_state_dict`)."""
         self.epoch, self._order = epoch, None
-        self._plan = (self.dp_size, self.micro_batches)
+        self._plan = (self.dp_size, self.micro_batches) if plan is None else plan
 
     def __len__(self) -> int:
         """Micro-batches of this rank: the same on every rank."""
@@ -355,33 +358,7 @@ class PackedDataset:
             it = dataset.iterate(repeat=True)
             it.load_state_dict(dataset.state_for(consumed_samples=args.consumed_train_samples))
         """
-        check_int("consumed_samples", consumed_samples, minimum=0)
-        rows = self.rows_per_micro_batch
-        if consumed_samples % (rows * self.dp_size * self.micro_batches):
-            raise ValueError(
-                f"consumed_samples={consumed_samples} is not a whole number of global batches of "
-                f"{rows * self.dp_size * self.micro_batches} rows (dp_size {self.dp_size} x "
-                f"micro_batches {self.micro_batches} x rows_per_micro_batch {rows})"
-            )
-        epoch, done = divmod(consumed_samples // rows, self.padded_micro_batches)
-        return {
-            **self._identity(),
-            "epoch": epoch,
-            "index": done // self.dp_size,
-            "dp_size": self.dp_size,
-            "micro_batches": self.micro_batches,
-            "plan": [self.dp_size, self.micro_batches],
-        }
-
-    def _identity(self) -> dict[str, Any]:
-        """What a checkpoint's dataset must share with this one to resume it."""
-        return {
-            "version": STATE_VERSION,
-            "rows": int(self.meta["rows"]),
-            "seed": int(self.meta["seed"]),
-            "rows_per_micro_batch": self.rows_per_micro_batch,
-            "balance": self.balance,
-        }
+        return state_after(self, consumed_samples)
 
     def _row(self, row: int) -> PackedBatch:
         a = self._arrays
@@ -418,12 +395,7 @@ class PackedDataset:
 
     def save(self, directory: str | Path) -> Path:
         """Write the packed dataset (arrays + meta.json) to ``directory``; `load` reads it back."""
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        for name, array in self._arrays.items():
-            np.save(out / f"{name}.npy", np.asarray(array))
-        (out / "meta.json").write_text(json.dumps(self.meta, indent=2) + "\n")
-        return out
+        return write_layout(directory, self._arrays, self.meta)
 
     @classmethod
     def load(
@@ -441,23 +413,9 @@ class PackedDataset:
         split_documents: str = "whole",
     ) -> PackedDataset:
         """Memory-map a dataset written by `save` or ``megapack pack`` (padding with its recorded pad id by default)."""
-        path = Path(directory)
-        meta_file = path / "meta.json"
-        if not meta_file.is_file():
-            raise FileNotFoundError(
-                f"{meta_file} not found: is {path} a directory written by `megapack pack`?"
-            )
-        meta = json.loads(meta_file.read_text())
-        if meta.get("version") != FORMAT_VERSION:
-            raise ValueError(
-                f"{meta_file}: format version {meta.get('version')!r}, this megapack reads {FORMAT_VERSION}"
-            )
-        names = ("tokens", "loss_mask", "doc_offsets", "slices", "bin_offsets")
+        meta, arrays = read_layout(directory)
         dataset = cls.__new__(cls)
-        dataset.meta = meta
-        dataset._arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r") for name in names}
-        if (path / "origins.npy").is_file():  # written since split documents are tracked
-            dataset._arrays["origins"] = np.load(path / "origins.npy", mmap_mode="r")
+        dataset.meta, dataset._arrays = meta, arrays
         pad = int(meta.get("pad_token_id", 0)) if pad_token_id is None else pad_token_id
         dataset._configure(
             rows_per_micro_batch,

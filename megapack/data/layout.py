@@ -5,6 +5,8 @@ drift apart (same arrays, same ``meta.json``):
 
 * `check_layout` validates ``seq_len`` against the padding multiple, lcm(pad_to_multiple_of,
   2 * cp_size) (`megapack.core.cp_pad.cp_pad_multiple`), and the long-document policy;
+* `write_layout` and `read_layout` store the arrays (``name.npy``, memory-mapped back) and
+  ``meta.json``, written last: a directory with ``meta.json`` is finished;
 * `plan_layout` plans rows from the documents' lengths alone, on their *aligned* lengths
   (``ceil(len / multiple) * multiple``, so alignment padding never overflows a row), and returns
   the ``doc_offsets``, ``slices`` (doc, start, stop; padding holds no tokens) and ``bin_offsets``
@@ -17,7 +19,9 @@ Worked example: lengths ``[3, 5]``, seq_len 8, multiple 2: aligned ``[4, 6]`` ->
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -134,3 +138,42 @@ def plan_layout(
         packing.num_dropped_docs,
     )
     return arrays, meta
+
+
+ARRAY_NAMES = ("tokens", "loss_mask", "doc_offsets", "slices", "bin_offsets")
+"""The arrays of every packed directory; ``origins`` (each stored document's input document) is
+written since split documents are tracked and read where present."""
+
+
+def write_layout(directory: str | Path, arrays: dict[str, Any], meta: dict[str, Any]) -> Path:
+    """Save ``arrays`` as ``directory/<name>.npy``, then ``meta.json`` (last: it marks the
+    directory finished)."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, array in arrays.items():
+        np.save(out / f"{name}.npy", np.asarray(array))
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def read_layout(directory: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(meta, memory-mapped arrays) of a directory `write_layout` or ``megapack pack`` wrote.
+
+    Raises:
+        FileNotFoundError: no ``meta.json`` (not a finished pack).
+        ValueError: another format version, naming both.
+    """
+    path = Path(directory)
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise FileNotFoundError(
+            f"{meta_file} not found: is {path} a directory written by `megapack pack`?"
+        )
+    meta = json.loads(meta_file.read_text())
+    if meta.get("version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{meta_file}: format version {meta.get('version')!r}, this megapack reads {FORMAT_VERSION}"
+        )
+    names = ARRAY_NAMES + (("origins",) if (path / "origins.npy").is_file() else ())
+    arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r") for name in names}
+    return meta, arrays

@@ -42,7 +42,7 @@ import numpy as np
 from megapack.core.checks import check_int
 from megapack.data.convert import DocumentBatch
 from megapack.data.document import Document
-from megapack.data.layout import check_layout, plan_layout
+from megapack.data.layout import check_layout, plan_layout, write_layout
 from megapack.data.split import split_document
 
 PROGRESS_VERSION = 1
@@ -316,9 +316,7 @@ class PackWriter:
         meta.update(input_documents=self.input_documents, split_documents=self.split_documents)
         if self._origins is not None:
             arrays["origins"] = np.frombuffer(self._origins, dtype=np.int64)
-        for name, values in arrays.items():
-            np.save(self.out / f"{name}.npy", values)
-        (self.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        write_layout(self.out, arrays, meta)
         for leftover in ("progress.json", "lengths.partial", "origins.partial"):
             (self.out / leftover).unlink(missing_ok=True)
         return meta

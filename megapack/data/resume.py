@@ -7,11 +7,39 @@ class docstring for what a resume on another DP size guarantees.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from megapack.core.checks import check_int
 
 if TYPE_CHECKING:
     from megapack.core.batch import PackedBatch
-    from megapack.data.dataset import PackedDataset
+
+
+class PlannedDataset(Protocol):
+    """What resuming needs of a dataset (`megapack.data.PackedDataset` is one): its rows and
+    seed (``meta``), its DP layout, its epoch and the (dp_size, micro_batches) the epoch's order
+    is planned for."""
+
+    meta: dict[str, Any]
+    rows_per_micro_batch: int
+    dp_size: int
+    micro_batches: int
+    balance: str
+    epoch: int
+    padded_micro_batches: int
+
+    @property
+    def plan(self) -> tuple[int, int]: ...
+
+    def set_epoch(self, epoch: int, *, plan: tuple[int, int] | None = None) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> PackedBatch: ...
+
+
+STATE_VERSION = 1
+"""Version of `DatasetIterator.state_dict`."""
 
 
 class DatasetIterator:
@@ -38,7 +66,7 @@ class DatasetIterator:
             end of the dataset's current epoch.
     """
 
-    def __init__(self, dataset: PackedDataset, *, repeat: bool = False) -> None:
+    def __init__(self, dataset: PlannedDataset, *, repeat: bool = False) -> None:
         self.dataset = dataset
         self.repeat = repeat
         self.index = 0
@@ -62,12 +90,12 @@ class DatasetIterator:
         """Where the next micro-batch is (plain ints: JSON- and torch.save-friendly)."""
         ds = self.dataset
         return {
-            **ds._identity(),
+            **identity(ds),
             "epoch": ds.epoch,
             "index": self.index,
             "dp_size": ds.dp_size,
             "micro_batches": ds.micro_batches,
-            "plan": list(ds._plan),
+            "plan": list(ds.plan),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -79,7 +107,7 @@ class DatasetIterator:
                 naming the setting and both values.
         """
         ds = self.dataset
-        for key, mine in ds._identity().items():
+        for key, mine in identity(ds).items():
             if state.get(key) != mine:
                 raise ValueError(
                     f"cannot resume: the checkpoint's dataset has {key}={state.get(key)!r}, this "
@@ -101,7 +129,38 @@ class DatasetIterator:
                     "size only at a step boundary"
                 )
             index = index // old_m * ds.micro_batches
-        ds.set_epoch(int(state["epoch"]))
-        ds._plan = (int(state["plan"][0]), int(state["plan"][1]))  # the epoch's order as planned
-        ds._order = None
+        plan = (int(state["plan"][0]), int(state["plan"][1]))  # the epoch's order as planned
+        ds.set_epoch(int(state["epoch"]), plan=plan)
         self.index = index
+
+
+def identity(ds: PlannedDataset) -> dict[str, Any]:
+    """What a checkpoint's dataset must share with ``ds`` to resume it."""
+    return {
+        "version": STATE_VERSION,
+        "rows": int(ds.meta["rows"]),
+        "seed": int(ds.meta["seed"]),
+        "rows_per_micro_batch": ds.rows_per_micro_batch,
+        "balance": ds.balance,
+    }
+
+
+def state_after(ds: PlannedDataset, consumed_samples: int) -> dict[str, Any]:
+    """`PackedDataset.state_for`: the iterator state after ``consumed_samples`` rows."""
+    check_int("consumed_samples", consumed_samples, minimum=0)
+    rows = ds.rows_per_micro_batch
+    if consumed_samples % (rows * ds.dp_size * ds.micro_batches):
+        raise ValueError(
+            f"consumed_samples={consumed_samples} is not a whole number of global batches of "
+            f"{rows * ds.dp_size * ds.micro_batches} rows (dp_size {ds.dp_size} x "
+            f"micro_batches {ds.micro_batches} x rows_per_micro_batch {rows})"
+        )
+    epoch, done = divmod(consumed_samples // rows, ds.padded_micro_batches)
+    return {
+        **identity(ds),
+        "epoch": epoch,
+        "index": done // ds.dp_size,
+        "dp_size": ds.dp_size,
+        "micro_batches": ds.micro_batches,
+        "plan": [ds.dp_size, ds.micro_batches],
+    }

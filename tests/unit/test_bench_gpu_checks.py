@@ -20,12 +20,11 @@ import torch
 
 from megapack import PackedBatch
 from megapack.attention import packed_attention
+from megapack.bench.gpu.attention_timing import attention_timing, flex_target
 from megapack.bench.gpu.checks import (
     attention_cases,
-    attention_timing,
     boundaries,
     check_backend,
-    flex_target,
     packed_vs_padded,
     reference_attention,
 )

@@ -43,14 +43,13 @@ than the earlier figures (a wrong mask moves every token of a document by far mo
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from megapack.bench.gpu.model import forward
 from megapack.bench.gpu.report import Check, Status
 
 ATTENTION_TOLERANCE = {
@@ -180,82 +179,6 @@ def attention_checks(
     return checks
 
 
-FLEX_OVER_VARLEN = 1.5
-"""Target: flex's fwd+bwd time at most this many times torch_varlen's on the timed row."""
-
-
-def attention_timing(
-    device: torch.device,
-    dtype: torch.dtype,
-    *,
-    lengths: Sequence[int],
-    heads: int,
-    groups: int,
-    head_dim: int,
-    repeats: int,
-    warmup: int = 3,
-) -> list[Check]:
-    """Median fwd+bwd seconds of every backend that trains here, on one row of ``lengths``, and
-    the target flex <= `FLEX_OVER_VARLEN` x torch_varlen (where both train, i.e. on a GPU).
-
-    Every call gets the same boundary tensor, as every layer of a micro-batch does, so flex's
-    block mask is built once (in the untimed calls) and reused, as in training.
-    """
-    from megapack.attention import BACKENDS, backend_available, packed_attention
-
-    total, longest = int(sum(lengths)), int(max(lengths))
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v, dout = (
-        torch.randn(total, h, head_dim, device=device, dtype=dtype, generator=gen)
-        for h in (heads, groups, groups, heads)
-    )
-    times: dict[str, float] = {}
-    for name in BACKENDS:
-        if not backend_available(name, device, training=True, dtype=dtype):
-            continue
-        samples = []
-        for i in range(warmup + repeats):
-            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            out = packed_attention(qq, kk, vv, cu_seqlens=cu, max_seqlen=longest, backend=name)
-            out.backward(dout)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= warmup:
-                samples.append(time.perf_counter() - start)
-        times[name] = statistics.median(samples)
-    row = (
-        f"one row of {len(lengths)} documents ({total:,} tokens), {heads} heads / {groups} "
-        f"groups x {head_dim}, {dtype_name(dtype)}"
-    )
-    measured = (
-        ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in times.items()) or "no backend trains here"
-    )
-    checks = [
-        Check(
-            name=f"attention time: fwd+bwd, {row}",
-            status="info",
-            detail=f"median of {repeats} after {warmup} untimed: {measured}",
-        )
-    ]
-    checks.append(flex_target(times, row, where=f"{device.type} {dtype_name(dtype)}"))
-    return checks
-
-
-def flex_target(times: dict[str, float], row: str, *, where: str) -> Check:
-    """The target flex <= `FLEX_OVER_VARLEN` x torch_varlen from the backends' median ``times``."""
-    name = f"target: flex fwd+bwd <= {FLEX_OVER_VARLEN:g}x torch_varlen ({row})"
-    if "flex" in times and "torch_varlen" in times:
-        ratio = times["flex"] / times["torch_varlen"]
-        status: Status = "passed" if ratio <= FLEX_OVER_VARLEN else "failed"
-        return Check(name=name, status=status, detail=f"{ratio:.2f}x")
-    missing = " and ".join(n for n in ("flex", "torch_varlen") if n not in times)
-    return Check(name=name, status="skipped", detail=f"{missing} cannot train on {where} here")
-
-
 def check_backend(
     label: str,
     attend: Callable[..., torch.Tensor],
@@ -371,13 +294,7 @@ def packed_vs_padded(
         with torch.no_grad():
             for item in (packed, padded):
                 b = get_batch_on_this_tp_rank(iter([item]), topology=topology)
-                out = model(
-                    b["tokens"],
-                    b["position_ids"],
-                    b["attention_mask"],
-                    labels=b["labels"],
-                    packed_seq_params=b["packed_seq_params"],
-                )
+                out = forward(model, b)
                 losses.append(out.float().cpu())
     finally:
         model.train(training)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megapack.bench.gpu.model import GptShape
+from megapack.bench.gpu.model import GptShape, forward
 from megapack.bench.gpu.report import Check, Status
 
 PACKS = 20
@@ -122,13 +122,7 @@ def graph_step_check(
     name = f"graph: {label}, {PACKS} packs of {rows} x {seq_len} through one static shape"
 
     def step(batch: dict[str, Any]) -> torch.Tensor:
-        losses = model(
-            batch["tokens"],
-            batch["position_ids"],
-            None,
-            labels=batch["labels"],
-            packed_seq_params=batch["packed_seq_params"],
-        )
+        losses = forward(model, batch)
         (losses.float() * batch["loss_mask"]).sum().backward()
         return losses
 

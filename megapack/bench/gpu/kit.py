@@ -4,7 +4,7 @@ On one GPU, in one process (a torch.distributed world of 1, megatron-core ``para
 tp = pp = 1), in this order:
 
 1. attention: every backend fwd+bwd against a float64 reference (`checks.attention_checks`),
-   then each one's time on one row of 8 documents and flex against varlen (`checks.attention_timing`);
+   then each one's time on one row of 8 documents and flex against varlen (`attention_timing.attention_timing`);
 2. packed == padded per-token losses in fp32 (`FULL`: the preset's shapes with 4 layers);
 3. the model: `model.PRESET` in bf16 through ``Float16Module``, its parameter count against the
    FLOPs formula's;
@@ -41,10 +41,8 @@ from typing import Any
 
 import torch
 
-from megapack.bench.gpu.checks import (
-    attention_checks,
-    attention_timing,
-)
+from megapack.bench.gpu.attention_timing import attention_timing
+from megapack.bench.gpu.checks import attention_checks
 from megapack.bench.gpu.devices import peak_bf16_flops
 from megapack.bench.gpu.model import PRESET
 from megapack.bench.gpu.report import Check, Report

@@ -161,6 +161,18 @@ def _build(
     return Float16Module(config, model) if bf16 else model
 
 
+def forward(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """Per-token losses of ``model`` on one delivered micro-batch (`megapack.get_batch_on_this_tp_rank`'s
+    dict, or `megapack.GraphInputs`'s, which holds no ``attention_mask``: THD needs none)."""
+    return model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch.get("attention_mask"),
+        labels=batch["labels"],
+        packed_seq_params=batch["packed_seq_params"],
+    )
+
+
 def matmul_ceiling(device: torch.device, dtype: torch.dtype, *, n: int, repeats: int = 10) -> float:
     """Median FLOP/s of an ``n x n x n`` matmul on random data (CUDA events on a GPU).
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from megapack.bench.gpu.checks import PAD_MULTIPLE, dtype_name
+from megapack.bench.gpu.model import forward
 from megapack.bench.gpu.report import Check
 
 
@@ -63,13 +64,7 @@ def sync_checks(
     fetch = lambda: get_batch_on_this_tp_rank(data, topology=topology)  # noqa: E731
 
     def train_step(batch: dict[str, Any]) -> None:
-        out = model(
-            batch["tokens"],
-            batch["position_ids"],
-            batch["attention_mask"],
-            labels=batch["labels"],
-            packed_seq_params=batch["packed_seq_params"],
-        )
+        out = forward(model, batch)
         loss, _ = masked_mean_loss(batch["loss_mask"], out)
         loss.backward()
 
@@ -205,13 +200,7 @@ def _whole_step(model: Any, topology: Any, batches: list[Any]) -> None:
 
     def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
         batch = next(data_iterator)
-        out = model(
-            batch["tokens"],
-            batch["position_ids"],
-            batch["attention_mask"],
-            labels=batch["labels"],
-            packed_seq_params=batch["packed_seq_params"],
-        )
+        out = forward(model, batch)
         return out, functools.partial(masked_mean_loss, batch["loss_mask"])
 
     optimizer = torch.optim.SGD(
@@ -276,22 +265,12 @@ def _guarded(
     try:
         warm()
     except Exception as exc:
-        stack = "".join(traceback.format_exception(exc)).splitlines()
-        return Check(
-            name=label,
-            status="failed",
-            detail=f"warm-up failed: {type(exc).__name__}: {exc}\n" + "\n".join(stack[-40:]),
-        )
+        return _failed(label, exc, "warm-up failed: ")
     try:
         with guard(device) as detecting:
             run()
     except Exception as exc:
-        stack = "".join(traceback.format_exception(exc)).splitlines()
-        return Check(
-            name=label,
-            status="failed",
-            detail=f"{type(exc).__name__}: {exc}\n" + "\n".join(stack[-40:]),
-        )
+        return _failed(label, exc)
     if not detecting:
         return Check(
             name=label,
@@ -301,3 +280,13 @@ def _guarded(
             ),
         )
     return Check(name=label, status="passed", detail="0 synchronizing CUDA calls after warm-up")
+
+
+def _failed(label: str, exc: BaseException, prefix: str = "") -> Check:
+    """A failed check whose detail is the exception and the last 40 lines of its stack."""
+    stack = "".join(traceback.format_exception(exc)).splitlines()
+    return Check(
+        name=label,
+        status="failed",
+        detail=f"{prefix}{type(exc).__name__}: {exc}\n" + "\n".join(stack[-40:]),
+    )
