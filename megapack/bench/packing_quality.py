@@ -15,11 +15,6 @@ import numpy as np
 from megapack.bench.datasets import OPENCHAT_CAP
 from megapack.packing.names import ALGORITHMS
 
-ORDER = ("next_fit", "first_fit", "ffd", "bfd", "best")  # simplest first; any new one goes last
-BENCH_ALGORITHMS = tuple(
-    sorted(ALGORITHMS, key=lambda a: (ORDER.index(a) if a in ORDER else len(ORDER), a))
-)
-
 
 def run_packing(lengths: list[int], best_time_limit_s: float, big_n: int) -> list[dict[str, Any]]:
     """Rows for OpenChat at capacity 2,048 (all algorithms) and ``big_n`` lognormal lengths (BFD only)."""
@@ -32,9 +27,8 @@ def run_packing(lengths: list[int], best_time_limit_s: float, big_n: int) -> lis
     ]
     for name, values, capacity, algorithms in cases:
         for algorithm in algorithms:
-            traced = (
-                name != "openchat"
-            )  # tracemalloc slows Python code: trace only the O(n) memory row
+            # tracemalloc slows Python code: trace only the O(n) memory row
+            traced = name != "openchat"
             if traced:
                 tracemalloc.start()
             start = time.perf_counter()

@@ -201,9 +201,8 @@ def _balance_report(args: argparse.Namespace, lengths: np.ndarray) -> dict[str, 
 
 def _real_efficiency(result: Any, real: int, planned: np.ndarray, seq_len: int) -> float:
     """Real tokens placed / (rows x seq_len): alignment padding is not counted as packed."""
-    padding = (
-        int(planned.sum()) - real
-    )  # every document is placed ("split"), so all its padding too
+    # every document is placed ("split"), so all its padding too
+    padding = int(planned.sum()) - real
     return (result.packed_tokens - padding) / max(result.num_bins * seq_len, 1)
 
 

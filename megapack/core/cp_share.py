@@ -98,9 +98,8 @@ def zigzag_positions(
     total_local = total // cp_size
     span = torch.repeat_interleave(2 * chunk, output_size=total_local)  # [T / cp] span of each
     local_start = torch.cumsum(2 * chunk, 0) - 2 * chunk  # where each span starts locally
-    j = (
-        torch.arange(total_local, device=cu.device) - local_start[span]
-    )  # index within the span's share
+    # index within the span's share
+    j = torch.arange(total_local, device=cu.device) - local_start[span]
     c = chunk[span]
     early = cp_rank * c + j  # chunk r
     late = (2 * cp_size - 2 - cp_rank) * c + j  # chunk 2cp-1-r, shifted by the c of chunk r

@@ -116,9 +116,8 @@ def deal_layers(
         micro = mine.reshape(full, dp, m, r)
         pp = pipeline_order(costs[micro].sum(axis=3))  # [full, dp, m]
         micro = np.take_along_axis(micro, pp[..., None], axis=2)
-        out[: full * per_batch] = micro.transpose(0, 2, 1, 3).reshape(
-            -1
-        )  # micro-batch j: rank j % dp
+        # micro-batch j: rank j % dp
+        out[: full * per_batch] = micro.transpose(0, 2, 1, 3).reshape(-1)
     rest = order[full * per_batch :]
     if len(rest):
         out[full * per_batch :] = balance_order(

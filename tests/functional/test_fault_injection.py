@@ -245,21 +245,11 @@ def run_exit_fault(fault: str, path: str, world: int) -> Any:
                 _exit_mid_frame()
         clock = [time.perf_counter()]
         with contextlib.ExitStack() as stack:
-            if path.startswith("prefetch"):
-                ahead = stack.enter_context(
-                    megapack.prefetch(data, topology=topo, depth=2, timeout=TIMEOUT)
-                )
-                fetch = functools.partial(next, ahead)
-            else:
-                fetch = functools.partial(
-                    megapack.get_batch_on_this_tp_rank, data, topology=topo, timeout=TIMEOUT
-                )
-
+            fetch = _fetcher(stack, path, data, topo)
             body = functools.partial(_exit_body, fault, topo.tp_rank, topo.is_source, fetch, clock)
             result = outcome(body, clock=clock)
+        # the last references to a closed prefetcher and its data group
         del fetch, body, data, stack
-        if path.startswith("prefetch"):
-            del ahead  # the closed prefetcher still holds its data group
         box = [topo]
         del topo
         return result, leftovers(box), fds_before
@@ -321,15 +311,7 @@ def _get_batch_fault(fault: str, path: str) -> Any:
     data = batches(5) if topo.is_source else None
     clock = [time.perf_counter()]
     with contextlib.ExitStack() as stack:
-        if path.startswith("prefetch"):
-            ahead = stack.enter_context(
-                megapack.prefetch(data, topology=topo, depth=2, timeout=TIMEOUT)
-            )
-            fetch = functools.partial(next, ahead)
-        else:
-            fetch = functools.partial(
-                megapack.get_batch_on_this_tp_rank, data, topology=topo, timeout=TIMEOUT
-            )
+        fetch = _fetcher(stack, path, data, topo)
         return _fault_body(fault, topo, fetch, clock)
 
 
@@ -559,3 +541,16 @@ def test_fault_matrix_ends_every_rank_within_the_timeout(
         assert kind == "CollectiveError", (fault, path, o.rank, kind, message)
         assert seconds < 2 * TIMEOUT + 5, (o.rank, seconds)
         _clean(o.value, world)
+
+
+def _fetcher(stack: contextlib.ExitStack, path: str, data: Any, topo: Any) -> Any:
+    """The call that fetches one batch on ``path``: `next` on a prefetcher (closed with
+    ``stack``) or `megapack.get_batch_on_this_tp_rank`."""
+    if path.startswith("prefetch"):
+        ahead = stack.enter_context(
+            megapack.prefetch(data, topology=topo, depth=2, timeout=TIMEOUT)
+        )
+        return functools.partial(next, ahead)
+    return functools.partial(
+        megapack.get_batch_on_this_tp_rank, data, topology=topo, timeout=TIMEOUT
+    )
