@@ -6,18 +6,23 @@
 The rollout: ``--prompts`` prompts, ``--group`` sampled completions each (random tokens and lengths
 here; a rollout engine's in a real trainer), a reward per completion and GRPO's group-normalised
 advantage ``(r - mean_group) / std_group`` on every completion token; ``old_logprobs`` are the
-rollout's log-probs of those tokens (here drawn near the untrained model's). Each prompt +
-completion is one document: ``loss_mask`` 1 on the completion. Documents are packed into rows of
-``--seq-len`` with megapack.packing.plan; ``advantages`` and ``old_logprobs`` are declared as
-last-stage per-token fields, so the loss's stage receives them with the labels (and each CP rank
-exactly its share), and the first stages never move their bytes:
+rollout's log-probs of those tokens, one per token as a rollout engine reports them (here drawn
+near the untrained model's). Each prompt + completion is one document: ``loss_mask`` 1 on the
+completion. Documents are packed into rows of ``--seq-len`` with megapack.packing.plan;
+``advantages`` and ``old_logprobs`` are declared as last-stage per-token fields at their tokens
+(``at="token"``: `PackedBatch.from_documents` shifts them to the labels that predict those
+tokens, as it shifts ``loss_mask``), so the loss's stage receives them with the labels (and each
+CP rank exactly its share), and the first stages never move their bytes:
 
-    RL_FIELDS = (megapack.BatchField("advantages", "token", torch.float32, "last"),
-                 megapack.BatchField("old_logprobs", "token", torch.float32, "last"))
+    RL_FIELDS = (megapack.BatchField("advantages", "token", torch.float32, "last", at="token"),
+                 megapack.BatchField("old_logprobs", "token", torch.float32, "last", at="token"))
     batch = megapack.get_batch_on_this_tp_rank(it, topology=topology, fields=RL_FIELDS)
 
-The loss is the clipped surrogate `megapack.megatron.loss.clipped_policy_loss`. gloo on CPU
-(megatron-core's CUDA calls redirected by megapack.harness.megatron_cpu.megatron_on_cpu), NCCL on CUDA.
+The loss is the clipped surrogate `megapack.megatron.policy_loss` in ``--mode`` (token_mean: every
+completion token of the step weighs the same, however the step was packed), with the step's loss
+fields from `megapack.with_loss_fields` (megatron-core's ``calculate_per_token_loss`` off, as
+here: no ``finalize_model_grads``). gloo on CPU (megatron-core's CUDA calls redirected by
+megapack.harness.megatron_cpu.megatron_on_cpu), NCCL on CUDA.
 """
 
 from __future__ import annotations
@@ -34,13 +39,14 @@ import torch.distributed as dist
 import megapack
 from megapack.core.quiet import quiet_megatron
 from megapack.harness.gpt import TinyGPT, init_weights
-from megapack.megatron.loss import clipped_policy_loss
+from megapack.megatron.loss import policy_loss
 from megapack.packing import plan
 
 RL_FIELDS = (
-    megapack.BatchField("advantages", "token", torch.float32, "last"),
-    megapack.BatchField("old_logprobs", "token", torch.float32, "last"),
+    megapack.BatchField("advantages", "token", torch.float32, "last", at="token"),
+    megapack.BatchField("old_logprobs", "token", torch.float32, "last", at="token"),
 )
+FIELDS = (*RL_FIELDS, *megapack.LOSS_FIELDS)  # the step's denominators, for policy_loss
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,6 +63,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128, help="tokens per packed row")
     p.add_argument("--mbs", type=int, default=2, help="rows per micro-batch")
     p.add_argument("--clip", type=float, default=0.2, help="the ratio's clip epsilon")
+    p.add_argument(
+        "--mode",
+        default="token_mean",
+        choices=["token_mean", "sequence_mean"],
+        help="policy_loss's weighing (docs/losses.md: which mode to pick)",
+    )
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args()
@@ -96,17 +108,16 @@ def micro_batches(
 
 
 def forward_step(
-    topology: megapack.Topology, clip: float, data_iterator: Any, model: Any
+    topology: megapack.Topology, args: argparse.Namespace, data_iterator: Any, model: Any
 ) -> tuple[torch.Tensor, Any]:
-    batch = megapack.get_batch_on_this_tp_rank(data_iterator, topology=topology, fields=RL_FIELDS)
+    batch = megapack.get_batch_on_this_tp_rank(data_iterator, topology=topology, fields=FIELDS)
     output = model(
         batch["tokens"], batch["position_ids"], batch["attention_mask"],
         labels=batch["labels"], packed_seq_params=batch["packed_seq_params"],
     )  # fmt: skip  # the last stage's output: per-token cross-entropy, -logp of every label
-    cp_group = topology.cp_group if topology.cp_size > 1 else None
     return output, functools.partial(
-        clipped_policy_loss, batch["loss_mask"], batch["advantages"], batch["old_logprobs"],
-        clip=clip, cp_group=cp_group,
+        policy_loss, batch, mode=args.mode, clip=args.clip, calculate_per_token_loss=False,
+        cp_layout=args.cp_layout,
     )  # fmt: skip
 
 
@@ -145,9 +156,11 @@ def main() -> None:
               f"{args.prompts} prompts in {len(micro)} packed micro-batches")  # fmt: skip
     for step in range(args.steps):
         optimizer.zero_grad()
+        data = (megapack.with_loss_fields(iter(micro), micro_batches=len(micro))  # the step's counts
+                if topology.is_source else None)  # fmt: skip
         reduced = schedule(
-            forward_step_func=functools.partial(forward_step, topology, args.clip),
-            data_iterator=iter(micro) if topology.is_source else None, model=[model],
+            forward_step_func=functools.partial(forward_step, topology, args),
+            data_iterator=data, model=[model],
             num_microbatches=len(micro), seq_length=args.mbs * args.seq_len, micro_batch_size=1,
             forward_only=False,
         )  # fmt: skip
@@ -157,12 +170,12 @@ def main() -> None:
                     dist.all_reduce(p.grad, group=topology.cp_group)
                     p.grad /= topology.cp_size
         optimizer.step()
-        loss = torch.tensor([np.mean([r["lm loss"].item() for r in reduced]) if reduced else 0.0],
-                            dtype=torch.float64)  # fmt: skip
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM)  # only the last stage's ranks report a loss
-        reporters = args.tp * args.cp
+        # the report is [sum, count] a micro-batch (last stage only; TP ranks repeat it, CP ranks
+        # hold shares): the step's value is the total sum over the total count
+        report = sum((r["lm loss"].double() for r in reduced), torch.zeros(2, dtype=torch.float64))
+        dist.all_reduce(report, op=dist.ReduceOp.SUM)
         if rank0:
-            print(f"step {step}: policy loss {loss.item() / reporters:+.4f}")
+            print(f"step {step}: policy loss {report[0].item() / report[1].item():+.4f}")
     ps.destroy_model_parallel()
     dist.destroy_process_group()
 

@@ -55,7 +55,7 @@ from megapack.harness.grid import grid_topology
 
 METHODS = ("megapack", "megapack_collectives", "megapack_fields", "per_tensor", "bare_megatron")
 RL_FIELDS = tuple(
-    BatchField(name, "token", torch.float32, "last")
+    BatchField(name, "token", torch.float32, "last", at="label")
     for name in ("advantages", "old_logprobs", "ref_logprobs")
 )
 """The three float32 per-token fields of the ``megapack_fields`` method."""

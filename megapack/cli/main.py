@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from megapack.cli.input import (
     SHAPE_FLAGS,
@@ -111,6 +112,17 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--seq-len {args.seq_len} must be a multiple of {multiple} ({why})")
 
 
+def _tokenized_by(args: argparse.Namespace, tokenizer: Any, reader: Any) -> dict[str, Any]:
+    """What ``meta.json`` records of the tokenizer: the one that read text input (its
+    --tokenizer path, else megapack's byte tokenizer), none for token ids read as they are
+    (.bin/.idx, .npy/.npz; their --eos-id where given)."""
+    used: Any = getattr(reader, "tokenizer", None)  # record readers keep the one they encode with
+    if used is not None and used is tokenizer:
+        name = str(args.tokenizer) if args.tokenizer else "megapack.data.ByteTokenizer"
+        return {"tokenizer": name, "vocab_size": used.vocab_size, "eos_id": used.eos_id}
+    return {"tokenizer": None, "vocab_size": None, "eos_id": getattr(args, "eos_id", None)}
+
+
 def _pack(args: argparse.Namespace, out: Path, staging: Path) -> int:
     from itertools import islice
 
@@ -136,6 +148,7 @@ def _pack(args: argparse.Namespace, out: Path, staging: Path) -> int:
         resume=args.resume,
         checkpoint_every=args.checkpoint_every,
         max_documents=args.max_documents,
+        **_tokenized_by(args, tokenizer, reader),
     )
     record = "fields" in options or is_record_input(args.input)
     if writer.rows_done and record:  # the reader again, after the checkpoint's rows

@@ -204,7 +204,8 @@ class PackedBatch:
                 size, or 8/16 for FP8 kernels); then ``cu_seqlens_padded`` is set.
             pad_token_id: token id used for padding and for the label of each document's last token.
             fields: a trainer's own fields (`megapack.BatchField`), each in every document dict:
-                per token a sequence as long as its tokens (placed at their positions, 0 on
+                per token a sequence as long as its tokens, placed at the labels as its ``at``
+                says ("token": shifted by one like ``loss_mask``; "label": as given; 0 on
                 padding), per sample one value, ragged a tensor [n_i, ...] (may be absent);
                 they land in ``extras`` (`megapack.core.extras`).
 

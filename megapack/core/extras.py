@@ -1,12 +1,18 @@
 """A trainer's own fields in a `PackedBatch` (``extras``): built from documents, joined across rows.
 
 `megapack.core.fields.BatchField` declares each one. In a PackedBatch a field per token is [1, T]
-(at the positions of its document's tokens, 0 on padding), a field per sample is [n, ...] and a
-ragged field [sum n_i, ...], both in document order. Worked example, documents of 3 and 2 tokens
-packed to seq_len 6 with a per-token ``advantages`` and a ragged ``pixel_values``:
+at the label positions (value j pairs with ``labels[j]``; 0 on padding), a field per sample is
+[n, ...] and a ragged field [sum n_i, ...], both in document order. A per-token field declared
+``at="token"`` (value i belongs to input token i, as a rollout gives log-probs) is shifted to the
+label that predicts its token, as ``loss_mask`` is: value ``i + 1`` lands at position ``i``, and a
+document's last position gets 0 (its label is padding); ``at="label"`` values are placed as given.
+Worked example, documents of 3 and 2 tokens packed to seq_len 6, a per-token ``advantages``
+(at="label"), a per-token ``logp`` (at="token") and a ragged ``pixel_values``:
 
     advantages    per document  [0.5, 0.5, 0.5], [-1.0, -1.0]
                   -> [[0.5, 0.5, 0.5, -1.0, -1.0, 0.0]]
+    logp          per document  [a0, a1, a2], [b0, b1]
+                  -> [[a1, a2, 0.0, b1, 0.0, 0.0]]          (labels: [t1, t2, P, u1, P, P])
     pixel_values  per document  [2, 4] and [0, 4] (no image)      -> [2, 4]
 """
 
@@ -33,8 +39,9 @@ def document_extras(
     Args:
         docs: the documents given to `PackedBatch.from_documents`; each a dict holding every
             declared field (a ragged field may be absent: no rows for that document).
-        fields: the declarations; per "token": a sequence as long as the document's tokens;
-            per "sample": one value ([...]) per document; "ragged": a tensor [n_i, ...].
+        fields: the declarations; per "token": a sequence as long as the document's tokens,
+            placed at the labels (shifted by one when declared ``at="token"``); per "sample":
+            one value ([...]) per document; "ragged": a tensor [n_i, ...].
         starts, lengths: where each document's tokens start in the row, and how many.
         width: the row's length T.
 
@@ -54,7 +61,10 @@ def document_extras(
                         f"docs[{i}][{f.name!r}] has shape {tuple(v.shape)}; a per-token field has "
                         f"one value per token of the document ({n})"
                     )
-                row[0, start : start + n] = v
+                if f.at == "token":  # value i + 1 pairs with label i (token i + 1), as loss_mask
+                    row[0, start : start + n - 1] = v[1:]
+                else:
+                    row[0, start : start + n] = v
             out[f.name] = row
         else:
             out[f.name] = join_rows(f, [_rows(i, v, f) for i, v in enumerate(values)])

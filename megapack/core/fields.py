@@ -17,10 +17,22 @@ Stages: "first" is the embedding's stage, "last" the loss's, "all" every stage. 
 pp=1 (`Stage.ONLY`) gets every field; a stage with multi-token-prediction layers (`Stage.MTP`)
 gets what first and last get.
 
-Example, a GRPO trainer's per-token advantages for the loss:
+A trainer's per-token field also says where its values sit (``at``, no default): ``"token"``,
+value i belongs to input token i, as a rollout gives log-probs (one per generated token);
+`PackedBatch.from_documents` shifts it to the label that predicts that token, as it shifts
+``loss_mask`` (placed ``value[i + 1]`` at position i); or ``"label"``, value i already pairs with
+``labels[i]`` (placed as given). In a batch, a trainer's per-token field sits at the labels
+(value j pairs with ``labels[j]``), as ``loss_mask`` does. A Megatron dict's fields travel as
+given, so a dict takes ``at="label"`` (`megapack.core.normalize` refuses ``"token"`` there).
 
-    >>> BatchField("advantages", "token", torch.float32, "last")
-    BatchField(name='advantages', per='token', dtype=torch.float32, stages='last')
+    tokens of a document   a    b    c    d            labels  b    c    d    P
+    old_logprobs given     -    lb   lc   ld           at="token" -> [lb, lc, ld, 0]
+                                                       at="label" -> as given
+
+Example, a GRPO trainer's per-token log-probs from its rollout, for the loss:
+
+    >>> BatchField("old_logprobs", "token", torch.float32, "last", at="token")
+    BatchField(name='old_logprobs', per='token', dtype=torch.float32, stages='last', at='token')
 """
 
 from __future__ import annotations
@@ -37,6 +49,11 @@ import torch
 
 Per = Literal["token", "mask", "boundary", "sample", "ragged", "scalar"]
 StageSet = Literal["first", "last", "all"]
+At = Literal["token", "label"]
+AT_KINDS: tuple[str, ...] = ("token", "label")
+"""Where a trainer's per-token values sit: at their input tokens, or already at the labels."""
+PLACED_BY_MEGAPACK = frozenset({"tokens", "position_ids", "labels", "loss_mask"})
+"""The built-in per-token fields, which megapack places itself (they take no ``at``)."""
 PER_KINDS: tuple[str, ...] = ("token", "mask", "boundary", "sample", "ragged", "scalar")
 TRAINER_KINDS: tuple[str, ...] = ("token", "sample", "ragged")
 """What a trainer's own field may be per; the other kinds are the built-in fields' alone."""
@@ -75,12 +92,17 @@ class BatchField:
             "boundary" and "scalar".
         dtype: a float or integer torch dtype; values arrive bit-exact.
         stages: "first" (the embedding's stage), "last" (the loss's) or "all".
+        at: a per-token field's alignment, required (no default: a silent one would move
+            values): "token" (value i belongs to input token i; `PackedBatch.from_documents`
+            shifts it to the label position, as ``loss_mask``) or "label" (value i pairs with
+            ``labels[i]`` already; placed as given). Not given for other kinds.
     """
 
     name: str
     per: Per
     dtype: torch.dtype
     stages: StageSet
+    at: At | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -104,6 +126,31 @@ class BatchField:
         if self.stages not in STAGE_SETS:
             raise ValueError(
                 f"BatchField {self.name!r}: stages={self.stages!r}; expected one of {STAGE_SETS}"
+            )
+        self._check_at()
+
+    def _check_at(self) -> None:
+        """A trainer's per-token field names its alignment; no other field takes one."""
+        if self.at is not None and not isinstance(self.at, str):
+            raise TypeError(
+                f"BatchField {self.name!r}: at must be 'token' or 'label', got "
+                f"{type(self.at).__name__} {self.at!r}"
+            )
+        if self.at is not None and self.at not in AT_KINDS:
+            raise ValueError(
+                f"BatchField {self.name!r}: at={self.at!r}; expected 'token' or 'label'"
+            )
+        if self.per != "token" and self.at is not None:
+            raise ValueError(
+                f"BatchField {self.name!r}: at={self.at!r} is for per-token fields; a "
+                f"per={self.per!r} field has no label alignment: drop at="
+            )
+        if self.per == "token" and self.at is None and self.name not in PLACED_BY_MEGAPACK:
+            raise ValueError(
+                f"BatchField {self.name!r}: a per-token field needs at=: 'token' when value i "
+                "belongs to input token i (a rollout's log-probs, one per token: megapack shifts "
+                "it to the label that predicts the token, as it shifts loss_mask) or 'label' when "
+                "value i already pairs with labels[i] (placed as given)"
             )
 
     @property
@@ -149,7 +196,8 @@ class Schema:
     """The built-in fields followed by a trainer's declared ones: what one call carries.
 
     Every TP rank of a group builds the same schema from the same ``fields=``; ``key`` (a stable
-    63-bit hash of the declarations) lets the ranks check that they did.
+    63-bit hash of the declarations, a per-token field's ``at`` included) lets the ranks check
+    that they did.
     """
 
     fields: tuple[BatchField, ...]
@@ -198,7 +246,7 @@ def _schema(declared: tuple[BatchField, ...]) -> Schema:
             )
         seen.add(f.name)
     fields = (*BUILTIN_FIELDS, *declared)
-    text = ";".join(f"{f.name}:{f.per}:{f.dtype}:{f.stages}" for f in fields)
+    text = ";".join(f"{f.name}:{f.per}:{f.dtype}:{f.stages}{_at(f)}" for f in fields)
     key = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
     by_stage = {s: tuple(f for f in fields if s in f.stage_set) for s in Stage}
     return Schema(
@@ -209,3 +257,8 @@ def _schema(declared: tuple[BatchField, ...]) -> Schema:
         names=tuple(f.name for f in fields),
         output_keys=(*OUTPUT_KEYS, *(f.name for f in declared)),
     )
+
+
+def _at(field: BatchField) -> str:
+    """A declaration's alignment as the schema key reads it (part of what TP ranks compare)."""
+    return "" if field.at is None else f":at={field.at}"

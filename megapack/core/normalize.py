@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from megapack.core.batch import PackedBatch
+from megapack.core.buckets import BUCKET_NAMES
 from megapack.core.fields import MAX_DIMS, BatchField, Schema
 from megapack.core.rows import GRID_NAMES, grid_tensor, merge_rows
 
@@ -91,6 +92,8 @@ def _from_packed_batch(item: PackedBatch, schema: Schema) -> Batch:
     }
     extras = dict(b.extras)
     for field in schema.declared:
+        if field.name not in extras and field.name in BUCKET_NAMES:
+            continue  # planned by the TP source from the boundaries (megapack.core.buckets)
         if field.name not in extras:
             raise ValueError(
                 f"PackedBatch.extras has no {field.name!r}, declared in fields= (extras: "
@@ -133,9 +136,18 @@ def _from_dict(item: Mapping[str, Any], schema: Schema) -> Batch:
     values: dict[str, Any] = dict.fromkeys(schema.names)
     values["dataset_id"] = _dataset_id(item.get("dataset_id"), rows)
     for name, field in declared.items():
+        if item.get(name) is None and name in BUCKET_NAMES:
+            continue  # planned by the TP source from the boundaries (megapack.core.buckets)
         if item.get(name) is None:
             raise ValueError(
                 f"batch is missing {name!r}, declared in fields= (got keys {sorted(item)})"
+            )
+        if field.at == "token":  # only from_documents knows each document's tokens to shift by
+            raise ValueError(
+                f"batch[{name!r}] is declared at='token' (one value per input token, which "
+                "PackedBatch.from_documents shifts to the labels), but a dict's per-token fields "
+                "travel as given, beside its labels: declare at='label' with values aligned to "
+                "batch['labels'], or build the batch with PackedBatch.from_documents"
             )
         value = _declared(item[name], field, (rows, cols), where="batch", samples=rows)
         values[name] = value.reshape(1, -1) if is_packed and field.per == "token" else value

@@ -6,7 +6,10 @@ drift apart (same arrays, same ``meta.json``):
 * `check_layout` validates ``seq_len`` against the padding multiple, lcm(pad_to_multiple_of,
   2 * cp_size) (`megapack.core.cp_pad.cp_pad_multiple`), and the long-document policy;
 * `write_layout` and `read_layout` store the arrays (``name.npy``, memory-mapped back) and
-  ``meta.json``, written last: a directory with ``meta.json`` is finished;
+  ``meta.json``, written last: a directory with ``meta.json`` is finished; ``meta.json`` holds
+  the contents' fingerprint (`megapack.data.fingerprint`), which `read_layout` checks against
+  the arrays (and computes, saying so, for a directory packed before it was recorded), and the
+  tokenizer's name, vocabulary size and eos id where the packer knew them (None otherwise);
 * `plan_layout` plans rows from the documents' lengths alone, on their *aligned* lengths
   (``ceil(len / multiple) * multiple``, so alignment padding never overflows a row), and returns
   the ``doc_offsets``, ``slices`` (doc, start, stop; padding holds no tokens) and ``bin_offsets``
@@ -27,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from megapack.core.checks import check_int
+from megapack.data.fingerprint import fingerprint
 from megapack.packing.names import LONG_DOC_POLICIES
 
 log = logging.getLogger(__name__)  # library code logs; the CLI prints
@@ -127,6 +131,9 @@ def plan_layout(
         "truncated_documents": packing.num_truncated_docs,
         "dropped_documents": packing.num_dropped_docs,
         "max_documents": max_documents,
+        "tokenizer": None,  # what tokenized the documents, where the packer knows it
+        "vocab_size": None,
+        "eos_id": None,
     }
     log.info(
         "planned %d documents into %d rows of %d tokens (%.2f%% efficiency; %d truncated, %d dropped)",
@@ -159,9 +166,13 @@ def write_layout(directory: str | Path, arrays: dict[str, Any], meta: dict[str, 
 def read_layout(directory: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(meta, memory-mapped arrays) of a directory `write_layout` or ``megapack pack`` wrote.
 
+    The contents' fingerprint is taken again and compared with the recorded one; a directory
+    packed before fingerprints were recorded gets it computed here (logged).
+
     Raises:
         FileNotFoundError: no ``meta.json`` (not a finished pack).
-        ValueError: another format version, naming both.
+        ValueError: another format version, naming both; arrays whose fingerprint is not the
+            recorded one (changed after packing), naming both.
     """
     path = Path(directory)
     meta_file = path / "meta.json"
@@ -176,4 +187,19 @@ def read_layout(directory: str | Path) -> tuple[dict[str, Any], dict[str, np.nda
         )
     names = ARRAY_NAMES + (("origins",) if (path / "origins.npy").is_file() else ())
     arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r") for name in names}
+    found = fingerprint(arrays)
+    recorded = meta.get("fingerprint")
+    if recorded is None:
+        log.info(
+            "%s records no fingerprint (packed by an earlier megapack): computed it from the "
+            "arrays, %s",
+            meta_file,
+            found,
+        )
+        meta["fingerprint"] = found
+    elif recorded != found:
+        raise ValueError(
+            f"{meta_file}: the arrays' fingerprint is {found}, meta.json records {recorded}: "
+            f"the files of {path} changed after they were packed; pack it again"
+        )
     return meta, arrays

@@ -16,7 +16,9 @@ plan; its memory grew with every token. The writer streams instead:
    function `PackedDataset` uses) and written as ``slices.npy`` / ``bin_offsets.npy`` with
    ``doc_offsets.npy`` and ``meta.json``. Rows are slices of the token memmap, so they are not
    copied again: the directory is exactly what `PackedDataset.save` writes, and
-   `PackedDataset.load` reads it unchanged (the same arrays, byte for byte).
+   `PackedDataset.load` reads it unchanged (the same arrays, byte for byte). ``meta.json``
+   records the contents' fingerprint (`megapack.data.fingerprint`, read from the written files)
+   and, where given, the tokenizer's name, vocabulary size and eos id.
 
 Resuming: a run that stopped (killed, out of disk) leaves ``progress.json`` and no ``meta.json``.
 ``PackWriter(out, ..., resume=True)`` truncates the files to the last checkpoint and reports
@@ -42,6 +44,7 @@ import numpy as np
 from megapack.core.checks import check_int
 from megapack.data.convert import DocumentBatch
 from megapack.data.document import Document
+from megapack.data.fingerprint import fingerprint
 from megapack.data.layout import check_layout, plan_layout, write_layout
 from megapack.data.split import split_document
 
@@ -59,6 +62,8 @@ class PackWriter:
         seq_len, pad_to_multiple_of, cp_size, algorithm, long_docs, seed, pad_token_id,
             max_documents: as `PackedDataset`.
         config: anything else that must match on resume (input path, tokenizer, fields, ...).
+        tokenizer, vocab_size, eos_id: what tokenized the documents, recorded in ``meta.json``
+            (None where unknown, e.g. for token arrays read as they are).
         resume: continue the unfinished run in ``out`` from its last checkpoint.
         checkpoint_every: documents between checkpoints.
         buffer_tokens: tokens held before a write.
@@ -85,6 +90,9 @@ class PackWriter:
         checkpoint_every: int = 100_000,
         buffer_tokens: int = 1 << 16,
         max_documents: int | None = None,
+        tokenizer: str | None = None,
+        vocab_size: int | None = None,
+        eos_id: int | None = None,
     ) -> None:
         from megapack.packing.names import ALGORITHMS
 
@@ -96,6 +104,16 @@ class PackWriter:
             check_int(name, value, minimum=1)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm={algorithm!r}; choose one of {ALGORITHMS}")
+        if tokenizer is not None and not isinstance(tokenizer, str):
+            raise TypeError(f"tokenizer must be a name (str) or None, got {tokenizer!r}")
+        self.tokenizer: dict[str, Any] = {
+            "tokenizer": tokenizer,
+            "vocab_size": None
+            if vocab_size is None
+            else check_int("vocab_size", vocab_size, minimum=1),
+            "eos_id": None if eos_id is None else check_int("eos_id", eos_id, minimum=0),
+        }
+        """What tokenized the documents, as ``meta.json`` records it."""
         self.out = Path(out)
         self.settings: dict[str, Any] = {
             "seq_len": seq_len,
@@ -313,7 +331,10 @@ class PackWriter:
             pad_token_id=s["pad_token_id"],
             max_documents=s["max_documents"],
         )
+        meta.update(self.tokenizer)
         meta.update(input_documents=self.input_documents, split_documents=self.split_documents)
+        written = {name: np.load(self.out / f"{name}.npy", mmap_mode="r") for name in ARRAYS}
+        meta["fingerprint"] = fingerprint({**arrays, **written})
         if self._origins is not None:
             arrays["origins"] = np.frombuffer(self._origins, dtype=np.int64)
         write_layout(self.out, arrays, meta)

@@ -3,16 +3,32 @@
 Its state counts what the trainer used: checkpoint `megapack.prefetch`'s ``state_dict()`` when
 batches are fetched ahead (it reports this iterator's position after the last batch used). See the
 class docstring for what a resume on another DP size guarantees.
+
+Two ways to a state, both exact:
+
+* ``DatasetIterator.state_dict()``, saved beside the trainer's checkpoint: it records the
+  dataset's identity (`identity`: its fingerprint, rows, seed, layout), the position and the
+  plan of the epoch in progress, so it resumes on any DP size with the global batch kept;
+* `state_after` (``PackedDataset.state_for``) from what Megatron-LM counts
+  (``consumed_train_samples`` at a stated ``micro_batch_size``, or ``iteration``); with
+  ``balance="compute"`` the epoch's plan is an argument, as counters do not record it.
+
+`check_state` refuses a malformed state whole, on load: a missing key, a wrong type, a negative
+value or an index past its epoch, naming the key and the value.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from megapack.core.checks import check_int
 
 if TYPE_CHECKING:
     from megapack.core.batch import PackedBatch
+
+log = logging.getLogger(__name__)  # library code logs; the CLI prints
 
 
 class PlannedDataset(Protocol):
@@ -38,8 +54,8 @@ class PlannedDataset(Protocol):
     def __getitem__(self, index: int) -> PackedBatch: ...
 
 
-STATE_VERSION = 1
-"""Version of `DatasetIterator.state_dict`."""
+STATE_VERSION = 2
+"""Version of `DatasetIterator.state_dict` (2: with the dataset's fingerprint; 1 is read too)."""
 
 
 class DatasetIterator:
@@ -98,29 +114,55 @@ class DatasetIterator:
             "plan": list(ds.plan),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state`` (`state_dict`'s, from any DP rank of the checkpointed run).
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at ``state`` (`state_dict`'s, from any DP rank of the checkpointed run, or
+        `PackedDataset.state_for`'s), checked whole before anything changes.
 
         Raises:
-            ValueError: a state of another dataset (rows, seed, rows per micro-batch, balance,
-                version), another global batch, or a change of DP size away from a step boundary,
-                naming the setting and both values.
+            TypeError: ``state`` is not a dict, or a key holds a value of the wrong type, naming
+                the key and the value.
+            ValueError: a missing key or a value out of range (a negative index, an index past
+                the end of its epoch, a plan of another global batch), naming the key and the
+                value; a state of another dataset (contents, rows, seed, rows per micro-batch,
+                balance, version), another global batch, or a change of DP size away from a
+                step boundary, naming the setting and both values.
         """
         ds = self.dataset
+        checked = check_state(state)
+        if "fingerprint" not in checked:
+            log.warning(
+                "resuming from a state of an earlier megapack (version %s), which records no "
+                "dataset fingerprint: only the rows, seed and layout are checked",
+                checked["version"],
+            )
         for key, mine in identity(ds).items():
-            if state.get(key) != mine:
+            if key != "version" and key in checked and checked[key] != mine:
                 raise ValueError(
-                    f"cannot resume: the checkpoint's dataset has {key}={state.get(key)!r}, this "
+                    f"cannot resume: the checkpoint's dataset has {key}={checked[key]!r}, this "
                     f"one has {key}={mine!r}"
                 )
-        old_dp, old_m = int(state["dp_size"]), int(state["micro_batches"])
-        if old_dp * old_m != ds.dp_size * ds.micro_batches:
+        old_dp, old_m = checked["dp_size"], checked["micro_batches"]
+        step = ds.dp_size * ds.micro_batches
+        if old_dp * old_m != step:
             raise ValueError(
                 f"cannot resume: the checkpoint's global batch is dp_size {old_dp} x micro_batches "
                 f"{old_m} = {old_dp * old_m} micro-batches, this run's {ds.dp_size} x "
-                f"{ds.micro_batches} = {ds.dp_size * ds.micro_batches}; keep the global batch"
+                f"{ds.micro_batches} = {step}; keep the global batch"
             )
-        index = int(state["index"])
+        plan = checked["plan"]
+        if plan[0] * plan[1] != step:
+            raise ValueError(
+                f"state['plan']={list(plan)} is a global batch of {plan[0] * plan[1]} "
+                f"micro-batches, but the state's dp_size {old_dp} x micro_batches {old_m} is "
+                f"{step}: the epoch's plan must keep the global batch"
+            )
+        index = checked["index"]
+        per_rank = ds.padded_micro_batches // old_dp  # the checkpoint's epoch, on its DP size
+        if index > per_rank:
+            raise ValueError(
+                f"state['index']={index} is past the end of its epoch: each of the checkpoint's "
+                f"{old_dp} DP ranks has {per_rank} micro-batches an epoch"
+            )
         if (old_dp, old_m) != (ds.dp_size, ds.micro_batches):
             if index % old_m:
                 raise ValueError(
@@ -129,15 +171,17 @@ class DatasetIterator:
                     "size only at a step boundary"
                 )
             index = index // old_m * ds.micro_batches
-        plan = (int(state["plan"][0]), int(state["plan"][1]))  # the epoch's order as planned
-        ds.set_epoch(int(state["epoch"]), plan=plan)
+        ds.set_epoch(checked["epoch"], plan=plan)  # the epoch's order as planned
         self.index = index
 
 
 def identity(ds: PlannedDataset) -> dict[str, Any]:
-    """What a checkpoint's dataset must share with ``ds`` to resume it."""
+    """What a checkpoint's dataset must share with ``ds`` to resume it, as plain values (also
+    what ranks compare to check they read one dataset): the state's version, the contents'
+    fingerprint (`megapack.data.fingerprint`), the rows, the seed and the DP layout."""
     return {
         "version": STATE_VERSION,
+        "fingerprint": ds.meta.get("fingerprint"),
         "rows": int(ds.meta["rows"]),
         "seed": int(ds.meta["seed"]),
         "rows_per_micro_batch": ds.rows_per_micro_batch,
@@ -145,22 +189,200 @@ def identity(ds: PlannedDataset) -> dict[str, Any]:
     }
 
 
-def state_after(ds: PlannedDataset, consumed_samples: int) -> dict[str, Any]:
-    """`PackedDataset.state_for`: the iterator state after ``consumed_samples`` rows."""
-    check_int("consumed_samples", consumed_samples, minimum=0)
-    rows = ds.rows_per_micro_batch
-    if consumed_samples % (rows * ds.dp_size * ds.micro_batches):
-        raise ValueError(
-            f"consumed_samples={consumed_samples} is not a whole number of global batches of "
-            f"{rows * ds.dp_size * ds.micro_batches} rows (dp_size {ds.dp_size} x "
-            f"micro_batches {ds.micro_batches} x rows_per_micro_batch {rows})"
+KEYS: dict[str, int | None] = {
+    "version": 1,
+    "rows": 1,
+    "seed": None,
+    "rows_per_micro_batch": 1,
+    "epoch": 0,
+    "index": 0,
+    "dp_size": 1,
+    "micro_batches": 1,
+}
+"""The integer keys of a `DatasetIterator` state and their least value (None: any int)."""
+STATE_KEYS = (*KEYS, "balance", "fingerprint", "plan")
+"""Every key of a state (version 1, before fingerprints, lacks "fingerprint")."""
+
+
+def check_state(state: Any) -> dict[str, Any]:
+    """A `DatasetIterator` state's values, each checked; see `DatasetIterator.load_state_dict`.
+
+    Returns:
+        The keys of `STATE_KEYS` the state's version has, as plain values (``plan`` a tuple).
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"a DatasetIterator state is a dict (DatasetIterator.state_dict()), got "
+            f"{type(state).__name__} {_short(state)}"
         )
-    epoch, done = divmod(consumed_samples // rows, ds.padded_micro_batches)
+    if {"used", "iterator"} <= set(state):
+        raise ValueError(
+            "this is megapack.prefetch's state_dict ({'used', 'iterator'}): load its "
+            "state['iterator'] into the iterator"
+        )
+    if "version" not in state:
+        raise ValueError(f"the state has no 'version' (keys {sorted(map(str, state))})")
+    version = check_int("state['version']", state["version"], minimum=1)
+    if version > STATE_VERSION:
+        raise ValueError(
+            f"state['version']={version}: written by a later megapack; this one reads versions "
+            f"1 to {STATE_VERSION}"
+        )
+    wanted = [k for k in STATE_KEYS if version > 1 or k != "fingerprint"]
+    missing = [k for k in wanted if k not in state]
+    if missing:
+        raise ValueError(
+            f"the state has no {', '.join(map(repr, missing))} (keys {sorted(map(str, state))}): "
+            "save DatasetIterator.state_dict() whole"
+        )
+    out: dict[str, Any] = {
+        key: check_int(f"state[{key!r}]", state[key], minimum=least) for key, least in KEYS.items()
+    }
+    for key in ("balance", "fingerprint") if version > 1 else ("balance",):
+        if not isinstance(state[key], str):
+            raise TypeError(
+                f"state[{key!r}] must be a str, got {type(state[key]).__name__} {_short(state[key])}"
+            )
+        out[key] = state[key]
+    plan = state["plan"]
+    if not isinstance(plan, list | tuple):
+        raise TypeError(
+            f"state['plan'] must be a list [dp_size, micro_batches], got {type(plan).__name__} "
+            f"{_short(plan)}"
+        )
+    if len(plan) != 2:
+        raise ValueError(f"state['plan'] must be [dp_size, micro_batches], got {_short(plan)}")
+    out["plan"] = tuple(check_int(f"state['plan'][{i}]", v, minimum=1) for i, v in enumerate(plan))
+    return out
+
+
+def state_after(
+    ds: PlannedDataset,
+    *,
+    consumed_samples: int | None = None,
+    micro_batch_size: int | None = None,
+    iterations: int | None = None,
+    global_batch_size: int | None = None,
+    plan: tuple[int, int] | None = None,
+) -> dict[str, Any]:
+    """`PackedDataset.state_for`: the iterator state after Megatron-LM's counters.
+
+    Megatron-LM adds ``dp_size x micro_batch_size x micro_batches`` to ``consumed_train_samples``
+    and 1 to ``iteration`` each step, and calls ``forward_step`` (one micro-batch of ``ds``)
+    ``micro_batches`` times on each DP rank. So ``consumed_samples / micro_batch_size`` (or
+    ``iterations x dp_size x micro_batches``) micro-batches of ``ds`` were used, over every DP
+    rank and epoch, filler micro-batches included. Worked example, ``rows_per_micro_batch=2``,
+    dp_size 1, micro_batches 2, after one step: Megatron's ``--micro-batch-size 1`` (THD)
+    counts 2 samples, ``--micro-batch-size 2`` counts 4: both are 2 micro-batches, the next
+    one is micro-batch 2 of the epoch.
+
+    Raises:
+        TypeError: no counter, ``consumed_samples`` without ``micro_batch_size``, or
+            ``balance="compute"`` without ``plan`` (each naming what to pass and why); a
+            counter that is not an int.
+        ValueError: a negative counter, counts of no whole step, counters that disagree with
+            each other or with this run's dp_size x micro_batches, or a plan of another global
+            batch, naming the values.
+    """
+    step = ds.dp_size * ds.micro_batches  # micro-batches a step, over every DP rank
+    used = _micro_batches_used(ds, consumed_samples, micro_batch_size, iterations, step)
+    if global_batch_size is not None:
+        if micro_batch_size is None:
+            raise TypeError(
+                "global_batch_size= is checked against micro_batch_size x dp_size x "
+                "micro_batches: pass micro_batch_size= (args.micro_batch_size) too"
+            )
+        check_int("global_batch_size", global_batch_size, minimum=1)
+        if global_batch_size != micro_batch_size * step:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not micro_batch_size "
+                f"{micro_batch_size} x dp_size {ds.dp_size} x micro_batches {ds.micro_batches} "
+                f"= {micro_batch_size * step}: this dataset's dp_size and micro_batches must be "
+                "the run's (micro_batches = global batch / (micro-batch size x dp_size))"
+            )
+    epoch, done = divmod(used, ds.padded_micro_batches)
+    planned = _plan(ds, plan, step)
     return {
         **identity(ds),
         "epoch": epoch,
         "index": done // ds.dp_size,
         "dp_size": ds.dp_size,
         "micro_batches": ds.micro_batches,
-        "plan": [ds.dp_size, ds.micro_batches],
+        # an epoch not yet begun is planned by the run that begins it: this one
+        "plan": list(planned if done else (ds.dp_size, ds.micro_batches)),
     }
+
+
+def _micro_batches_used(
+    ds: PlannedDataset,
+    consumed_samples: int | None,
+    micro_batch_size: int | None,
+    iterations: int | None,
+    step: int,
+) -> int:
+    """Micro-batches of ``ds`` used over every DP rank, from either counter (both must agree)."""
+    if consumed_samples is None and iterations is None:
+        raise TypeError(
+            "state_for needs Megatron-LM's counters: consumed_samples=args.consumed_train_samples "
+            "with micro_batch_size=args.micro_batch_size, or iterations=args.iteration"
+        )
+    used = None
+    if consumed_samples is not None:
+        check_int("consumed_samples", consumed_samples, minimum=0)
+        if micro_batch_size is None:
+            raise TypeError(
+                f"state_for(consumed_samples={consumed_samples}) needs micro_batch_size=, "
+                "Megatron's --micro-batch-size (args.micro_batch_size): it counts that many "
+                "samples per forward_step, each of which gets one micro-batch of "
+                f"rows_per_micro_batch={ds.rows_per_micro_batch} rows (THD: --micro-batch-size "
+                "1, a sample is a packed micro-batch)"
+            )
+        check_int("micro_batch_size", micro_batch_size, minimum=1)
+        if consumed_samples % (micro_batch_size * step):
+            raise ValueError(
+                f"consumed_samples={consumed_samples} is not a whole number of steps of "
+                f"micro_batch_size {micro_batch_size} x dp_size {ds.dp_size} x micro_batches "
+                f"{ds.micro_batches} = {micro_batch_size * step} samples: check "
+                "micro_batch_size, and that dp_size and micro_batches are the run's"
+            )
+        used = consumed_samples // micro_batch_size
+    if iterations is not None:
+        check_int("iterations", iterations, minimum=0)
+        if used is not None and used != iterations * step:
+            raise ValueError(
+                f"consumed_samples={consumed_samples} at micro_batch_size {micro_batch_size} is "
+                f"{used} micro-batches, but iterations={iterations} x dp_size {ds.dp_size} x "
+                f"micro_batches {ds.micro_batches} is {iterations * step}: the counters disagree"
+            )
+        used = iterations * step
+    assert used is not None
+    return used
+
+
+def _plan(ds: PlannedDataset, plan: Any, step: int) -> tuple[int, int]:
+    """The (dp_size, micro_batches) of the checkpoint's epoch: ``plan``, required by "compute"."""
+    if plan is None:
+        if ds.balance == "compute":
+            raise TypeError(
+                "state_for with balance='compute' needs plan=(dp_size, micro_batches) of the "
+                "run that began the checkpoint's epoch: its order is balanced for that DP size "
+                f"and counters do not record it (this run's is ({ds.dp_size}, "
+                f"{ds.micro_batches}), if the DP size did not change). Or resume from "
+                "DatasetIterator.state_dict(), which records it"
+            )
+        return (ds.dp_size, ds.micro_batches)
+    if not isinstance(plan, list | tuple) or len(plan) != 2:
+        raise TypeError(f"plan must be a pair (dp_size, micro_batches), got {_short(plan)}")
+    dp, m = (check_int(f"plan[{i}]", v, minimum=1) for i, v in enumerate(plan))
+    if dp * m != step:
+        raise ValueError(
+            f"plan=({dp}, {m}) is a global batch of {dp * m} micro-batches, this run's "
+            f"({ds.dp_size}, {ds.micro_batches}) of {step}: the counters cannot map a changed "
+            "global batch"
+        )
+    return (dp, m)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

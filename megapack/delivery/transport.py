@@ -299,7 +299,12 @@ def _agree(topo: Topology, schema: Schema, timeout: float | None) -> None:
     )
     if all(int(k) == schema.key for k in keys):
         return
-    declared = repr([(f.name, f.per, str(f.dtype), f.stages) for f in schema.declared])
+    declared = repr(  # a per-token field's alignment too: it is part of the key
+        [
+            (f.name, f.per, str(f.dtype), f.stages) + ((f"at={f.at}",) if f.at else ())
+            for f in schema.declared
+        ]
+    )
     texts = comm.all_gather_strings(declared, group=control, what=what, timeout=timeout)
     lines = "; ".join(f"rank {r}: {t}" for r, t in zip(topo.tp_ranks, texts, strict=True))
     raise ValueError(

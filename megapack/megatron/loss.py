@@ -170,7 +170,7 @@ def _surrogate(
         raise ValueError(
             f"advantages {tuple(advantages.shape)} and old_logprobs {tuple(old_logprobs.shape)} "
             f"must have the per-token loss's shape {tuple(per_token.shape)}: declare them per "
-            "token for the last stage (megapack.BatchField(name, 'token', dtype, 'last'))"
+            "token for the last stage (megapack.BatchField(name, 'token', dtype, 'last', at=...))"
         )
     ratio = torch.exp(-per_token.float() - old_logprobs.float())  # logp = -per_token
     adv = advantages.float()

@@ -56,12 +56,12 @@ from megapack.packing.cost import CostModel
 from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
 from megapack.packing.pieces import make_items
 from megapack.packing.plan import plan
+from megapack.packing.stream_state import STATE_VERSION, check_stream_state
 
 EMIT_FILL = 0.99
 """Bins at least this full are emitted at once."""
 MAX_WAIT_ROUNDS = 8
 """A piece kept this many rounds goes out with its bin, however full, so no document waits forever."""
-STATE_VERSION = 1
 
 
 class Piece(NamedTuple):
@@ -307,24 +307,21 @@ class StreamingPacker:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from `state_dict`; the packer's settings must match the saved ones.
+        The state is checked whole first (`megapack.packing.stream_state`): nothing changes
+        unless it loads.
 
         Raises:
-            ValueError: a different state version or setting (naming it and both values).
+            TypeError: not a dict, or a key of the wrong type, naming the key and the value.
+            ValueError: a different state version or setting (naming it and both values), a
+                missing key, or a value out of range (a negative count, a piece of a document
+                not yet read or longer than the capacity), naming the key and the value.
         """
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"state version {state.get('version')!r} != {STATE_VERSION}")
-        mine = self._config()
-        for key, value in state["config"].items():
-            if mine.get(key) != value:
-                raise ValueError(
-                    f"state was saved with {key}={value!r} but this packer has {key}={mine.get(key)!r}"
-                )
-        self.consumed = int(state["consumed"])
-        self.rounds = int(state["rounds"])
-        self._buffer = [(Piece(*p), int(r)) for p, r in state["buffer"]]
-        self._ready = deque([Piece(*p) for p in b] for b in state["ready"])
-        self._ordered = int(state.get("ordered", 0))
-        self.stats = dict(state["stats"])
+        checked = check_stream_state(state, self._config())
+        self.consumed, self.rounds = checked["consumed"], checked["rounds"]
+        self._buffer = [(Piece(*p), r) for p, r in checked["buffer"]]
+        self._ready = deque([Piece(*p) for p in b] for b in checked["ready"])
+        self._ordered = checked["ordered"]
+        self.stats = checked["stats"]
 
     def _config(self) -> dict[str, Any]:
         return {

@@ -23,8 +23,8 @@ from megapack.testing.grids import Grid, grid_topology
 pytestmark = pytest.mark.distributed
 
 FIELDS = (
-    BatchField("advantages", "token", torch.float32, "last"),
-    BatchField("old_logprobs", "token", torch.bfloat16, "last"),
+    BatchField("advantages", "token", torch.float32, "last", at="label"),
+    BatchField("old_logprobs", "token", torch.bfloat16, "last", at="label"),
     BatchField("reward", "sample", torch.float32, "all"),
     BatchField("pixel_values", "ragged", torch.float16, "first"),
     BatchField("image_grid_thw", "ragged", torch.int64, "first"),
@@ -124,6 +124,29 @@ def test_ranks_that_declare_different_fields_all_fail_naming_the_ranks(dist_pool
         assert message.startswith("TP ranks passed different fields= to get_batch_on_this_tp_rank")
         assert "rank 1: [('advantages'" in message and "rank 2: [('advantages'" in message
         assert "'pixel_values'" in message.split("rank 1:")[1].split("rank 2:")[1]
+
+
+def run_align_mismatch() -> str:
+    topo = grid_topology(dist.get_world_size(), 1)
+    old = BatchField("old_logprobs", "token", torch.bfloat16, "last", at="token")
+    fields = FIELDS if dist.get_rank() != 1 else (FIELDS[0], old, *FIELDS[2:])  # rank 1: at="token"
+    try:
+        get_batch_on_this_tp_rank(
+            iter(stream()) if topo.is_source else None, topology=topo, fields=fields
+        )
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_align_ranks_that_declare_another_alignment_all_fail_naming_it(dist_pool: Any) -> None:
+    """A field's ``at`` is part of what TP ranks compare: a rank declaring old_logprobs at its
+    tokens while the others declare it at the labels fails on every rank, naming both."""
+    for message in dist_pool.run(run_align_mismatch, 2, timeout=60):
+        assert message.startswith("TP ranks passed different fields= to get_batch_on_this_tp_rank")
+        rank0, rank1 = message.split("rank 1:")
+        assert "('old_logprobs', 'token', 'torch.bfloat16', 'last', 'at=label')" in rank0
+        assert "('old_logprobs', 'token', 'torch.bfloat16', 'last', 'at=token')" in rank1
 
 
 def run_bad_then_good() -> list[str]:

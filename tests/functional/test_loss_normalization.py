@@ -41,8 +41,8 @@ S = 32  # row length
 GPT = TinyGPT(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
               vocab_size=128, max_sequence_length=S)  # fmt: skip
 RL = (
-    BatchField("advantages", "token", torch.float32, "last"),
-    BatchField("old_logprobs", "token", torch.float32, "last"),
+    BatchField("advantages", "token", torch.float32, "last", at="label"),
+    BatchField("old_logprobs", "token", torch.float32, "last", at="label"),
 )
 SEQUENCE_MODES = ("token_mean", "sequence_mean", "sequence_sum")
 # (tp, pp, cp, dp, cp layout, rows per micro-batch, micro-batches per step): dp * M * rows >= 4

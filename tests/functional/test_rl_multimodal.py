@@ -26,8 +26,8 @@ from megapack.megatron.loss import clipped_policy_loss
 pytestmark = pytest.mark.distributed
 
 RL = (
-    BatchField("advantages", "token", torch.float32, "last"),
-    BatchField("old_logprobs", "token", torch.float32, "last"),
+    BatchField("advantages", "token", torch.float32, "last", at="label"),
+    BatchField("old_logprobs", "token", torch.float32, "last", at="label"),
 )
 VLM = (
     BatchField("pixel_values", "ragged", torch.float32, "first"),

@@ -427,7 +427,7 @@ def test_concat_refusals_in_full() -> None:
         "PackedBatch.concat: some rows have cu_seqlens_padded and some do not"
     )
     adv = PackedBatch.from_documents([{"tokens": [1, 2], "adv": [0.5, 1.0]}],
-                                     fields=(BatchField("adv", "token", torch.float32, "last"),))  # fmt: skip
+                                     fields=(BatchField("adv", "token", torch.float32, "last", at="label"),))  # fmt: skip
     with pytest.raises(ValueError) as info:
         PackedBatch.concat([adv, adv])
     assert str(info.value) == (

@@ -116,7 +116,7 @@ def test_stage_drops_fields_it_does_not_receive() -> None:
 
 
 def test_declared_fields_share_as_declared() -> None:
-    fields = (BatchField("adv", "token", torch.float32, "last"),
+    fields = (BatchField("adv", "token", torch.float32, "last", at="label"),
               BatchField("reward", "sample", torch.float32, "all"),
               BatchField("pixels", "ragged", torch.bfloat16, "first"))  # fmt: skip
     schema = schema_of(fields)

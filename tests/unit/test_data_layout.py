@@ -32,6 +32,7 @@ def test_layout_worked_example(caplog: pytest.LogCaptureFixture) -> None:
         "long_docs": "split", "seed": 3, "documents": 2, "cp_size": 1, "rows": 2,
         "lower_bound": 2, "efficiency": 0.5, "padding_tokens": 2, "truncated_tokens": 0,
         "dropped_tokens": 0, "pad_token_id": 7, "truncated_documents": 0, "dropped_documents": 0, "max_documents": None,
+        "tokenizer": None, "vocab_size": None, "eos_id": None,  # the packer fills in what it knows
     }  # fmt: skip
     assert caplog.messages == [
         "planned 2 documents into 2 rows of 8 tokens (50.00% efficiency; 0 truncated, 0 dropped)"
@@ -142,3 +143,33 @@ def test_check_layout_returns_the_padding_multiple() -> None:
     assert [check_layout(24, p, c, "split") for p, c in [(1, 1), (8, 1), (1, 2), (3, 2), (8, 3)]] == [
         1, 8, 4, 12, 24,
     ]  # fmt: skip
+
+
+def test_fingerprint_sees_lengths_packing_and_sampled_tokens() -> None:
+    """Any document length, any row's slices, the sampled tokens and loss mask change it; a token
+    the sample skips does not (the documented price of a cost independent of the tokens)."""
+    from megapack.data.fingerprint import SAMPLES, WINDOW, fingerprint, sample_positions
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(50, 200, 400)
+    arrays, _ = layout(lengths.tolist(), 256)
+    total = int(lengths.sum())
+    arrays |= {"tokens": rng.integers(0, 1000, total), "loss_mask": np.ones(total, np.float32)}
+    base = fingerprint(arrays)
+    assert fingerprint(dict(arrays)) == base and base.startswith("blake2b-128:")
+    picked = sample_positions(total)
+    assert len(picked) == SAMPLES * WINDOW and picked[0] == 0 and picked[-1] == total - 1
+    skipped = int(np.setdiff1d(np.arange(total), picked)[0])
+    for name, position in (("tokens", int(picked[100])), ("loss_mask", int(picked[-1]))):
+        changed = arrays[name].copy()
+        changed[position] += 1
+        assert fingerprint(arrays | {name: changed}) != base, name
+    unseen = arrays["tokens"].copy()
+    unseen[skipped] += 1
+    assert fingerprint(arrays | {"tokens": unseen}) == base
+    moved = arrays["doc_offsets"].copy()
+    moved[1] += 1  # documents 0 and 1 trade a token: the same tokens, other lengths
+    assert fingerprint(arrays | {"doc_offsets": moved}) != base
+    other_plan, _ = layout(lengths.tolist(), 256, algorithm="next_fit")
+    assert fingerprint(arrays | other_plan) != base
+    assert sample_positions(5).tolist() == [0, 1, 2, 3, 4]

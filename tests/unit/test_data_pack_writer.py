@@ -405,3 +405,69 @@ def test_pack_writer_resume_edge_cases(tmp_path: Path) -> None:
         r"\(resume=True\) to continue it, or remove the directory to start over$",
     ):
         PackWriter(out, 32)
+
+
+def test_fingerprint_and_tokenizer_recorded_at_pack_time(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """meta.json records the contents' fingerprint (the same as PackedDataset's for the same
+    documents) and what the packer knows of the tokenizer; load checks the fingerprint against
+    the arrays, and computes it (logged) for a directory packed before it was recorded."""
+    import logging
+
+    rng = np.random.default_rng(3)
+    docs = [Document(tokens=rng.integers(0, 300, int(n)), loss_mask=np.ones(int(n)))
+            for n in rng.integers(1, 50, 40)]  # fmt: skip
+    writer = PackWriter(tmp_path / "w", 64, tokenizer="my/tokenizer.json", vocab_size=300, eos_id=2)
+    meta = writer.write(iter(docs))
+    in_memory = PackedDataset(docs, 64)
+    assert meta["fingerprint"] == in_memory.meta["fingerprint"]
+    assert meta["fingerprint"].startswith("blake2b-128:")
+    assert (meta["tokenizer"], meta["vocab_size"], meta["eos_id"]) == ("my/tokenizer.json", 300, 2)
+    assert (in_memory.meta["tokenizer"], in_memory.meta["vocab_size"]) == (None, None)
+    assert PackedDataset.load(tmp_path / "w").meta["fingerprint"] == meta["fingerprint"]
+    old = json.loads((tmp_path / "w" / "meta.json").read_text())
+    del old["fingerprint"]  # as an earlier megapack wrote it
+    (tmp_path / "w" / "meta.json").write_text(json.dumps(old))
+    with caplog.at_level(logging.INFO, logger="megapack.data.layout"):
+        loaded = PackedDataset.load(tmp_path / "w")
+    assert loaded.meta["fingerprint"] == meta["fingerprint"]
+    assert "records no fingerprint (packed by an earlier megapack): computed it" in caplog.text
+    (tmp_path / "w" / "meta.json").write_text(json.dumps(meta))
+    tokens = np.load(tmp_path / "w" / "tokens.npy")
+    tokens[0] += 1  # the first token is always sampled
+    np.save(tmp_path / "w" / "tokens.npy", tokens)
+    from megapack.data.fingerprint import fingerprint
+
+    names = ("tokens", "loss_mask", "doc_offsets", "slices", "bin_offsets")
+    changed = fingerprint({n: np.load(tmp_path / "w" / f"{n}.npy") for n in names})
+    assert changed != meta["fingerprint"]
+    with pytest.raises(ValueError, match=rf"the arrays' fingerprint is {changed}, meta.json records "
+                                         rf"{meta['fingerprint']}: the files of .* changed after they were packed"):  # fmt: skip
+        PackedDataset.load(tmp_path / "w")
+    with pytest.raises(TypeError, match="tokenizer must be a name"):
+        PackWriter(tmp_path / "x", 64, tokenizer=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="vocab_size must be an int >= 1, got 0"):
+        PackWriter(tmp_path / "y", 64, vocab_size=0)
+
+
+def test_fingerprint_and_tokenizer_of_megapack_pack(tmp_path: Path) -> None:
+    """`megapack pack` of text records the byte tokenizer it used; of token arrays, none (their
+    --eos-id where given)."""
+    from megapack.cli import main
+
+    corpus(tmp_path / "c.jsonl", n=12)
+    assert main(["pack", str(tmp_path / "c.jsonl"), "--seq-len", "256", "--skip-bad",
+                 "--out", str(tmp_path / "p")]) == 0  # fmt: skip
+    meta = json.loads((tmp_path / "p" / "meta.json").read_text())
+    assert (meta["tokenizer"], meta["vocab_size"], meta["eos_id"]) == (
+        "megapack.data.ByteTokenizer",
+        259,
+        257,
+    )
+    assert meta["fingerprint"] == PackedDataset.load(tmp_path / "p").meta["fingerprint"]
+    np.save(tmp_path / "t.npy", np.array([5, 6, 1, 7, 1], dtype=np.int64))
+    assert main(["pack", str(tmp_path / "t.npy"), "--seq-len", "8", "--eos-id", "1",
+                 "--out", str(tmp_path / "q")]) == 0  # fmt: skip
+    meta = json.loads((tmp_path / "q" / "meta.json").read_text())
+    assert (meta["tokenizer"], meta["vocab_size"], meta["eos_id"]) == (None, None, 1)

@@ -11,9 +11,9 @@ import torch
 from megapack import BatchField, PackedBatch
 from megapack.core.extras import check_extras, join_rows
 
-ADV = BatchField("adv", "token", torch.float32, "last")
-IDS = BatchField("ids", "token", torch.int64, "first")
-LOGP = BatchField("logp", "token", torch.bfloat16, "last")
+ADV = BatchField("adv", "token", torch.float32, "last", at="label")
+IDS = BatchField("ids", "token", torch.int64, "first", at="label")
+LOGP = BatchField("logp", "token", torch.bfloat16, "last", at="label")
 WEIGHT = BatchField("weight", "sample", torch.float32, "all")
 PIXELS = BatchField("pixels", "ragged", torch.float16, "first")
 SPANS = BatchField("spans", "ragged", torch.int32, "first")

@@ -18,8 +18,8 @@ from megapack import BatchField, PackedBatch, Topology, align_by_kind, get_batch
 from megapack.core.fields import Stage, schema_of
 from megapack.packing.align import has_rows, zero_loss
 
-ADV = BatchField("advantages", "token", torch.float32, "last")
-OLD = BatchField("old_logprobs", "token", torch.bfloat16, "last")
+ADV = BatchField("advantages", "token", torch.float32, "last", at="label")
+OLD = BatchField("old_logprobs", "token", torch.bfloat16, "last", at="label")
 REWARD = BatchField("reward", "sample", torch.float64, "all")
 PIXELS = BatchField("pixel_values", "ragged", torch.float16, "first")
 GRID = BatchField("image_grid_thw", "ragged", torch.int64, "first")
@@ -162,7 +162,7 @@ def test_bad_fields_are_named_and_the_next_batch_goes_on(
 
 def test_packed_batch_from_documents_places_per_document_values() -> None:
     # The extras module's worked example: documents of 3 and 2 tokens in a row of 6.
-    fields = (BatchField("advantages", "token", torch.float32, "last"), PIXELS, REWARD)
+    fields = (BatchField("advantages", "token", torch.float32, "last", at="label"), PIXELS, REWARD)
     docs = [{"tokens": [5, 6, 7], "advantages": [0.5, 0.5, 0.5], "pixel_values": torch.ones(2, 4, dtype=torch.float16), "reward": 1.0},
             {"tokens": [8, 9], "advantages": [-1.0, -1.0], "reward": 2.0}]  # fmt: skip
     b = PackedBatch.from_documents(docs, seq_len=6, fields=fields)
@@ -234,3 +234,82 @@ def test_bool_is_a_mask_fields_dtype_only() -> None:
         assert str(info.value) == (
             "BatchField 'flag': dtype=torch.bool; expected a float or integer dtype"
         )
+
+
+def test_align_a_per_token_field_states_where_its_values_sit() -> None:
+    """No default: a trainer's per-token field without ``at`` is an error naming the field and
+    both options; ``at`` on another kind, or another value, is refused; built-ins need none."""
+    with pytest.raises(ValueError, match=r"BatchField 'advantages': a per-token field needs at=: 'token' "
+                                         r"when value i belongs to input token i .* or 'label' when value i "
+                                         r"already pairs with labels\[i\]"):  # fmt: skip
+        BatchField("advantages", "token", torch.float32, "last")
+    for per in ("sample", "ragged"):
+        with pytest.raises(ValueError, match=rf"BatchField 'x': at='label' is for per-token fields; a "
+                                             rf"per='{per}' field has no label alignment"):  # fmt: skip
+            BatchField("x", per, torch.float32, "all", at="label")  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"BatchField 'x': at='labels'; expected 'token' or 'label'"
+    ):
+        BatchField("x", "token", torch.float32, "last", at="labels")  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"BatchField 'x': at must be 'token' or 'label', got int 1"
+    ):
+        BatchField("x", "token", torch.float32, "last", at=1)  # type: ignore[arg-type]
+    from megapack.core.fields import BUILTIN_FIELDS
+
+    assert all(f.at is None for f in BUILTIN_FIELDS)
+    assert repr(BatchField("lp", "token", torch.float32, "last", at="token")).endswith(
+        "at='token')"
+    )
+
+
+def test_align_is_part_of_what_tp_ranks_compare() -> None:
+    """Ranks that declare a field at other alignments build schemas of other keys, so they fail
+    at the first call (`_agree`; the header's key), naming each rank's declarations."""
+    token = schema_of((BatchField("lp", "token", torch.float32, "last", at="token"),))
+    label = schema_of((BatchField("lp", "token", torch.float32, "last", at="label"),))
+    assert token.key != label.key
+    assert schema_of((PIXELS,)).key == schema_of((PIXELS,)).key
+    plain = schema_of(())  # the built-in fields' key is what it was before `at` existed
+    import hashlib
+
+    from megapack.core.fields import BUILTIN_FIELDS
+
+    text = ";".join(f"{f.name}:{f.per}:{f.dtype}:{f.stages}" for f in BUILTIN_FIELDS)
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    assert plain.key == int.from_bytes(digest, "little") >> 1
+
+
+def test_align_token_values_shift_to_the_labels_as_loss_mask_does() -> None:
+    """The extras module's worked example: at="token" places value i + 1 at position i (the
+    label that predicts token i + 1), 0 at each document's last position and on padding;
+    at="label" as given; with per-document padding and across concatenated rows alike."""
+    logp = BatchField("logp", "token", torch.float32, "last", at="token")
+    adv = BatchField("advantages", "token", torch.float32, "last", at="label")
+    docs = [{"tokens": [5, 6, 7], "loss_mask": [0, 1, 1], "logp": [0.1, 0.2, 0.3], "advantages": [0.5] * 3},
+            {"tokens": [8, 9], "loss_mask": [0, 1], "logp": [0.4, 0.5], "advantages": [-1.0] * 2}]  # fmt: skip
+    b = PackedBatch.from_documents(docs, seq_len=6, fields=(logp, adv))
+    assert b.labels.tolist() == [[6, 7, 0, 9, 0, 0]]
+    assert b.loss_mask.tolist() == [[1, 1, 0, 1, 0, 0]]
+    assert b.extras["logp"].tolist() == [[pytest.approx(0.2), pytest.approx(0.3), 0, 0.5, 0, 0]]
+    assert b.extras["advantages"].tolist() == [[0.5, 0.5, 0.5, -1.0, -1.0, 0.0]]
+    padded = PackedBatch.from_documents(docs, seq_len=8, pad_to_multiple_of=4, fields=(logp, adv))
+    assert padded.labels.tolist() == [[6, 7, 0, 0, 9, 0, 0, 0]]
+    assert padded.extras["logp"].tolist() == [
+        [pytest.approx(0.2), pytest.approx(0.3), 0, 0, 0.5, 0, 0, 0]
+    ]
+    tail = PackedBatch.from_documents(docs[1:], seq_len=4, fields=(logp, adv))
+    both = PackedBatch.concat([b, tail], (logp, adv))
+    assert both.extras["logp"][0, 6:].tolist() == [0.5, 0, 0, 0]
+    one_token = PackedBatch.from_documents([{"tokens": [3], "logp": [0.7], "advantages": [1.0]}],
+                                           fields=(logp, adv))  # fmt: skip
+    assert one_token.extras["logp"].tolist() == [[0.0]]  # no label: nothing of it is placed
+
+
+def test_align_token_field_in_a_dict_is_refused() -> None:
+    """A Megatron dict's per-token fields travel as given beside its labels: a field declared
+    at="token" there (megapack cannot shift it: it holds no documents' values) is refused."""
+    token_old = BatchField("old_logprobs", "token", torch.bfloat16, "last", at="token")
+    with pytest.raises(ValueError, match=r"batch\['old_logprobs'\] is declared at='token' .*declare "
+                                         r"at='label' with values aligned to batch\['labels'\]"):  # fmt: skip
+        one(sft(), on_stage(0, 1), (ADV, token_old, REWARD, PIXELS, GRID))

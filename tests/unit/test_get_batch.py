@@ -192,7 +192,7 @@ def test_a_peer_refuses_a_frame_of_other_fields_or_another_stage_in_full(
         "TP source rank 4 serves pipeline stage 'first' but this rank is on stage 'last': TP peers "
         "must share a pipeline stage (check the Topology)"
     )
-    fields = (BatchField("adv", "token", torch.float32, "last"),)
+    fields = (BatchField("adv", "token", torch.float32, "last", at="label"),)
     with pytest.raises(ProtocolError) as info:
         get_batch_on_this_tp_rank(None, topology=rank(1, 0, 2), fields=fields)
     assert str(info.value) == (

@@ -66,8 +66,8 @@ def test_regression_a_batch_without_rows_or_tokens_is_refused(make: Any) -> None
 
 # ---------------------------------------------------------------- what normalize keeps
 
-ADV = BatchField("adv", "token", torch.float32, "last")
-OLD = BatchField("old", "token", torch.float32, "last")
+ADV = BatchField("adv", "token", torch.float32, "last", at="label")
+OLD = BatchField("old", "token", torch.float32, "last", at="label")
 WEIGHT = BatchField("w", "sample", torch.float32, "all")
 PIXELS = BatchField("pixels", "ragged", torch.float16, "first")
 DECLARED = schema_of((ADV, WEIGHT, PIXELS))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -283,3 +284,70 @@ def test_each_round_calls_plan_with_its_seed_budget_and_no_time_limit(
         seed = int(np.random.SeedSequence([7, k]).generate_state(1)[0])
         assert kw == {"algorithm": "best", "long_docs": "error", "seed": seed,
                       "time_limit_s": None, "max_search_steps": 40, "max_documents": None}  # fmt: skip
+
+
+def saved_mid_stream() -> tuple[StreamingPacker, dict]:
+    """A packer 3 bins into a stream, with pieces buffered and bins ready, and its state as saved."""
+    lengths = np.random.default_rng(5).integers(1, 30, 80).tolist()
+    packer = StreamingPacker(32, buffer_size=16)
+    list(itertools.islice(packer.pack(lengths), 3))
+    state = json.loads(json.dumps(packer.state_dict()))
+    assert state["buffer"] and state["ready"]
+    return packer, state
+
+
+@pytest.mark.parametrize("key", ["config", "consumed", "rounds", "buffer", "ready", "stats"])
+def test_streaming_resume_refuses_a_state_missing_a_key_on_load(key: str) -> None:
+    _, state = saved_mid_stream()
+    del state[key]
+    fresh = StreamingPacker(32, buffer_size=16)
+    with pytest.raises(ValueError, match=rf"the state has no '{key}' \(keys \["):
+        fresh.load_state_dict(state)
+    assert (fresh.consumed, fresh.rounds, fresh.stats["bins"]) == (0, 0, 0)  # nothing changed
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        (lambda s: s.update(consumed=-1), ValueError, r"state\['consumed'\] must be an int >= 0, got -1"),
+        (lambda s: s.update(rounds="2"), TypeError, r"state\['rounds'\] must be an int >= 0, got str '2'"),
+        (lambda s: s.update(ordered=99), ValueError, r"state\['ordered'\]=99: more bins in balanced order than the \d+ ready"),
+        (lambda s: s.update(ordered=-1), ValueError, r"state\['ordered'\] must be an int >= 0, got -1"),
+        (lambda s: s.update(buffer={}), TypeError, r"state\['buffer'\] must be a list, got dict \{\}"),
+        (lambda s: s.update(ready=None), TypeError, r"state\['ready'\] must be a list of bins, got NoneType"),
+        (lambda s: s.update(stats=[]), TypeError, r"state\['stats'\] must be a dict of counters, got list"),
+        (lambda s: s.update(config=3), TypeError, r"state\['config'\] must be a dict of settings, got int 3"),
+        (lambda s: s["stats"].pop("tokens"), ValueError, r"state\['stats'\] has no 'tokens'"),
+        (lambda s: s["stats"].update(bins=-5), ValueError, r"state\['stats'\]\['bins'\] must be an int >= 0, got -5"),
+        (lambda s: s["buffer"].__setitem__(0, [1, 2, 3]), TypeError, r"state\['buffer'\]\[0\] must be a pair \(piece, round\)"),
+        (lambda s: s["buffer"][0].__setitem__(1, 99), ValueError, r"state\['buffer'\]\[0\]\[1\]=99: a piece arrived in round 99 but the state has planned only \d+ rounds"),
+        (lambda s: s["buffer"][0][0].__setitem__(0, 10_000), ValueError, r"state\['buffer'\]\[0\]\[0\] is of document 10000, but the state has read only \d+ documents"),
+        (lambda s: s["ready"][0][0].__setitem__(2, 99), ValueError, r"state\['ready'\]\[0\]\[0\] holds tokens 0:99; a piece holds 1 to capacity=32 tokens"),
+        (lambda s: s["ready"][0][0].__setitem__(1, -1), ValueError, r"state\['ready'\]\[0\]\[0\]\[1\] must be an int >= 0, got -1"),
+        (lambda s: s["ready"].__setitem__(0, []), TypeError, r"state\['ready'\]\[0\] must be a non-empty list of pieces"),
+        (lambda s: s["ready"][0].__setitem__(0, [1, 2]), TypeError, r"state\['ready'\]\[0\]\[0\] must be a piece \(position, start, stop, doc\)"),
+        (lambda s: s["config"].pop("capacity"), ValueError, r"state was saved with capacity=None but this packer has capacity=32"),
+    ],
+)  # fmt: skip
+def test_streaming_resume_refuses_a_malformed_state_on_load(
+    change: Any, error: type[Exception], message: str
+) -> None:
+    _, state = saved_mid_stream()
+    change(state)
+    fresh = StreamingPacker(32, buffer_size=16)
+    with pytest.raises(error, match=message):
+        fresh.load_state_dict(state)
+    assert (fresh.consumed, fresh.rounds, list(fresh._ready)) == (0, 0, [])
+    with pytest.raises(TypeError, match=r"a StreamingPacker state is a dict .*, got str 'x'"):
+        fresh.load_state_dict("x")  # type: ignore[arg-type]
+
+
+def test_streaming_resume_from_a_json_round_trip_is_exact() -> None:
+    """A state as saved (JSON: tuples become lists) resumes to the same bins."""
+    lengths = np.random.default_rng(5).integers(1, 30, 80).tolist()
+    full = triples(StreamingPacker(32, buffer_size=16).pack(lengths))
+    packer, state = saved_mid_stream()
+    again = StreamingPacker(32, buffer_size=16)
+    again.load_state_dict(state)
+    assert again.stats == packer.stats and again.consumed == packer.consumed
+    assert full[:3] + triples(again.pack(lengths[state["consumed"] :])) == full

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from typing import Any
 
 import numpy as np
@@ -142,19 +143,113 @@ def test_resume_refuses_a_checkpoint_it_cannot_honour() -> None:
         bigger.load_state_dict(state)
 
 
-def test_resume_from_megatrons_consumed_samples() -> None:
-    ds = dataset(1, 2, "token")
-    per_epoch = ds.padded_micro_batches * ROWS  # rows of an epoch, over every DP rank
-    state = ds.state_for(consumed_samples=per_epoch + 2 * GLOBAL * ROWS)  # an epoch and 2 steps
-    assert (state["epoch"], state["index"]) == (1, 2 * GLOBAL // 2)
+def megatron_counters(steps: int, dp: int, micro_batch_size: int) -> tuple[int, int]:
+    """(``args.consumed_train_samples``, ``args.iteration``) after ``steps`` steps, as
+    Megatron-LM's training loop adds them: ``dp x micro_batch_size x num_microbatches`` samples
+    and one iteration a step (num_microbatches = global batch / (micro_batch_size x dp))."""
+    global_batch_size = micro_batch_size * GLOBAL  # GLOBAL micro-batches a step, over every rank
+    num_microbatches = global_batch_size // (micro_batch_size * dp)
+    return steps * dp * micro_batch_size * num_microbatches, steps
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2])
+@pytest.mark.parametrize("dp", [1, 2])
+def test_state_for_is_exact_from_megatrons_counters(micro_batch_size: int, dp: int) -> None:
+    """Megatron's --micro-batch-size 1 (THD: one [1, T] of ROWS packed rows is one sample) and 2
+    (a sample is a row): after any number of steps, an epoch boundary crossed, the next
+    micro-batches of every DP rank are those of the uninterrupted run."""
+    per_epoch = dataset(0, dp, "token").padded_micro_batches // GLOBAL  # steps an epoch
+    for steps in (0, 3, per_epoch, per_epoch + 2):
+        consumed, iteration = megatron_counters(steps, dp, micro_batch_size)
+        reference = uninterrupted(dp, "token", steps + 2)[steps:]
+        states = []
+        for r in range(dp):
+            ds = dataset(r, dp, "token")
+            state = ds.state_for(consumed_samples=consumed, micro_batch_size=micro_batch_size,
+                                 global_batch_size=micro_batch_size * GLOBAL)  # fmt: skip
+            assert state == ds.state_for(iterations=iteration)
+            assert (state["epoch"], state["index"]) == (
+                steps // per_epoch,
+                steps % per_epoch * GLOBAL // dp,
+            )
+            states.append(state)
+        resumed = Run(dp, "token", depth=0, states=states)
+        assert resumed.steps(2) == reference, (steps, micro_batch_size)
+
+
+def test_state_for_counts_megatron_samples_not_rows() -> None:
+    """The issue's silent case: Megatron's --micro-batch-size 1 with 2 packed rows a [1, T]
+    micro-batch, 4 micro-batches consumed (consumed_train_samples 4): the next is micro-batch 4,
+    not 2 (counting rows resumed at 2, silently)."""
+    ds = PackedDataset(DOCS, seq_len=SEQ, rows_per_micro_batch=2, micro_batches=2)
+    state = ds.state_for(consumed_samples=4, micro_batch_size=1)
+    assert (state["epoch"], state["index"]) == (0, 4)
     it = ds.iterate(repeat=True)
     it.load_state_dict(state)
-    first = next(it)
-    ref = dataset(1, 2, "token")
-    ref.set_epoch(1)
-    assert torch.equal(first.tokens, ref[2 * GLOBAL // 2].tokens)
-    with pytest.raises(ValueError, match="not a whole number of global batches of 8 rows"):
-        ds.state_for(consumed_samples=3)
+    assert torch.equal(next(it).tokens, ds[4].tokens)
+    rows = ds.state_for(consumed_samples=8, micro_batch_size=2)  # a sample a row: the same place
+    assert rows == state
+
+
+def test_state_for_refuses_counts_without_their_meaning_or_that_disagree() -> None:
+    ds = dataset(1, 2, "token")  # dp 2 x micro_batches 2 = 4 micro-batches a step
+    with pytest.raises(TypeError, match=r"state_for\(consumed_samples=8\) needs micro_batch_size=, "
+                                        r"Megatron's --micro-batch-size"):  # fmt: skip
+        ds.state_for(consumed_samples=8)
+    with pytest.raises(TypeError, match="state_for needs Megatron-LM's counters"):
+        ds.state_for()
+    with pytest.raises(ValueError, match=r"consumed_samples=6 is not a whole number of steps of "
+                                         r"micro_batch_size 1 x dp_size 2 x micro_batches 2 = 4"):  # fmt: skip
+        ds.state_for(consumed_samples=6, micro_batch_size=1)
+    with pytest.raises(ValueError, match=r"global_batch_size=4 is not micro_batch_size 2 x dp_size 2 "
+                                         r"x micro_batches 2 = 8"):  # fmt: skip
+        ds.state_for(consumed_samples=8, micro_batch_size=2, global_batch_size=4)
+    with pytest.raises(ValueError, match=r"consumed_samples=8 at micro_batch_size 1 is 8 micro-batches, "
+                                         r"but iterations=1 x dp_size 2 x micro_batches 2 is 4"):  # fmt: skip
+        ds.state_for(consumed_samples=8, micro_batch_size=1, iterations=1)
+    with pytest.raises(ValueError, match="consumed_samples must be an int >= 0, got -4"):
+        ds.state_for(consumed_samples=-4, micro_batch_size=1)
+    with pytest.raises(TypeError, match=r"micro_batch_size must be an int >= 1, got float 1\.0"):
+        ds.state_for(consumed_samples=4, micro_batch_size=1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"global_batch_size= is checked against micro_batch_size"):
+        ds.state_for(iterations=1, global_batch_size=4)
+
+
+def epoch_rows(steps: list[list[tuple[bytes, ...]]]) -> list[bytes]:
+    """Every row the micro-batches of ``steps`` hold (its tokens: documents are random)."""
+    width = SEQ * ROWS
+    out = []
+    for step in steps:
+        for bits in step:
+            tokens = np.frombuffer(bits[0], dtype=np.int64)
+            assert len(tokens) == width
+            out += [tokens[r * SEQ : (r + 1) * SEQ].tobytes() for r in range(ROWS)]
+    return sorted(out)
+
+
+def test_resume_after_a_dp_change_under_compute_balance_trains_each_row_once() -> None:
+    """The issue's silent case: dp 2 -> 1 mid-epoch under balance="compute" from Megatron's
+    counters planned the rest of the epoch for dp 1 (rows trained twice, others never). Now the
+    old plan is an argument (required), and the epoch holds every row exactly once."""
+    per_epoch = dataset(0, 2, "token").padded_micro_batches // GLOBAL
+    whole = epoch_rows(uninterrupted(2, "compute", per_epoch))  # one epoch, every row once
+    checkpoint = per_epoch // 2
+    before = uninterrupted(2, "compute", checkpoint)
+    consumed, _ = megatron_counters(checkpoint, dp=2, micro_batch_size=1)
+    resumed_ds = dataset(0, 1, "compute")
+    with pytest.raises(TypeError, match=r"balance='compute' needs plan=\(dp_size, micro_batches\) of "
+                                        r"the run that began the checkpoint's epoch.*this run's is \(1, 4\)"):  # fmt: skip
+        resumed_ds.state_for(consumed_samples=consumed, micro_batch_size=1)
+    state = resumed_ds.state_for(consumed_samples=consumed, micro_batch_size=1, plan=(2, 2))
+    after = Run(1, "compute", depth=0, states=[state]).steps(per_epoch - checkpoint)
+    assert epoch_rows(before + after) == whole
+    assert len(set(whole)) > len(whole) // 2  # rows are told apart (fillers aside)
+    naive = resumed_ds.state_for(consumed_samples=consumed, micro_batch_size=1, plan=(1, 4))
+    wrong = Run(1, "compute", depth=0, states=[naive]).steps(per_epoch - checkpoint)
+    assert epoch_rows(before + wrong) != whole  # the plan matters: the case is not vacuous
+    with pytest.raises(ValueError, match=r"plan=\(2, 1\) is a global batch of 2 micro-batches, this "
+                                         r"run's \(1, 4\) of 4"):  # fmt: skip
+        resumed_ds.state_for(consumed_samples=consumed, micro_batch_size=1, plan=(2, 1))
 
 
 def test_resume_prefetch_counts_the_batches_used_not_fetched() -> None:
@@ -171,3 +266,125 @@ def test_resume_prefetch_counts_the_batches_used_not_fetched() -> None:
     without = megapack.prefetch(iter([1]), topology=CPU, depth=1)  # a plain iterator: no position
     assert without.state_dict() == {"used": 0, "iterator": None}
     without.close()
+
+
+def a_state() -> dict[str, Any]:
+    it = dataset(0, 2, "token").iterate(repeat=True)
+    for _ in range(2):
+        next(it)
+    return json.loads(json.dumps(it.state_dict()))  # as saved
+
+
+STATE_KEYS = ("version", "fingerprint", "rows", "seed", "rows_per_micro_batch", "balance",
+              "epoch", "index", "dp_size", "micro_batches", "plan")  # fmt: skip
+
+
+@pytest.mark.parametrize("key", STATE_KEYS)
+def test_resume_refuses_a_state_missing_any_key_on_load(key: str) -> None:
+    state = a_state()
+    del state[key]
+    it = dataset(0, 2, "token").iterate()
+    with pytest.raises(ValueError, match=rf"the state has no '{key}' \(keys \["):
+        it.load_state_dict(state)
+    assert (it.index, it.dataset.epoch) == (0, 0)  # refused on load, nothing changed
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error", "message"),
+    [
+        ("index", -1, ValueError, r"state\['index'\] must be an int >= 0, got -1"),
+        ("index", 2.0, TypeError, r"state\['index'\] must be an int >= 0, got float 2.0"),
+        ("index", "2", TypeError, r"state\['index'\] must be an int >= 0, got str '2'"),
+        ("epoch", -3, ValueError, r"state\['epoch'\] must be an int >= 0, got -3"),
+        ("dp_size", 0, ValueError, r"state\['dp_size'\] must be an int >= 1, got 0"),
+        ("micro_batches", True, TypeError, r"state\['micro_batches'\] must be an int >= 1, got bool"),
+        ("rows", None, TypeError, r"state\['rows'\] must be an int >= 1, got NoneType None"),
+        ("seed", [0], TypeError, r"state\['seed'\] must be an int, got list \[0\]"),
+        ("rows_per_micro_batch", -2, ValueError, r"state\['rows_per_micro_batch'\] must be an int >= 1"),
+        ("balance", 1, TypeError, r"state\['balance'\] must be a str, got int 1"),
+        ("fingerprint", None, TypeError, r"state\['fingerprint'\] must be a str, got NoneType None"),
+        ("plan", "2,2", TypeError, r"state\['plan'\] must be a list \[dp_size, micro_batches\], got str '2,2'"),
+        ("plan", [2], ValueError, r"state\['plan'\] must be \[dp_size, micro_batches\], got \[2\]"),
+        ("plan", [2, -1], ValueError, r"state\['plan'\]\[1\] must be an int >= 1, got -1"),
+        ("plan", [4, 2], ValueError, r"state\['plan'\]=\[4, 2\] is a global batch of 8 micro-batches"),
+        ("version", 3, ValueError, r"state\['version'\]=3: written by a later megapack"),
+        ("version", "2", TypeError, r"state\['version'\] must be an int >= 1, got str '2'"),
+        ("index", 999, ValueError, r"state\['index'\]=999 is past the end of its epoch: each of the "
+                                   r"checkpoint's 2 DP ranks has \d+ micro-batches an epoch"),
+        ("rows", 5, ValueError, r"the checkpoint's dataset has rows=5, this one has rows=\d+"),
+    ],
+)  # fmt: skip
+def test_resume_refuses_a_malformed_state_on_load(
+    key: str, value: Any, error: type[Exception], message: str
+) -> None:
+    it = dataset(0, 2, "token").iterate(repeat=True)
+    state = a_state() | {key: value}
+    with pytest.raises(error, match=message):
+        it.load_state_dict(state)
+    assert (it.index, it.dataset.epoch) == (0, 0)
+    it.load_state_dict(a_state())  # the same iterator takes a good state afterwards
+    assert it.index == 2
+
+
+def test_resume_refuses_what_is_not_an_iterator_state() -> None:
+    it = dataset(0, 1, "token").iterate()
+    with pytest.raises(TypeError, match=r"a DatasetIterator state is a dict .*, got list \[1, 2\]"):
+        it.load_state_dict([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"megapack.prefetch's state_dict .*load its state\['iterator'\]"
+    ):
+        it.load_state_dict({"used": 2, "iterator": a_state()})
+    with pytest.raises(ValueError, match=r"the state has no 'version'"):
+        it.load_state_dict({})
+
+
+def test_resume_index_at_the_epochs_end_is_accepted_and_rolls_over() -> None:
+    """The last micro-batch of an epoch used: the index is the epoch's length (a valid state);
+    the next is the next epoch's first."""
+    ds = dataset(0, 1, "token")
+    it = ds.iterate(repeat=True)
+    state = a_state() | {
+        "dp_size": 1,
+        "micro_batches": GLOBAL,
+        "plan": [1, GLOBAL],
+        "index": len(ds),
+    }
+    it.load_state_dict(state)
+    ref = dataset(0, 1, "token")
+    ref.set_epoch(1)
+    assert torch.equal(next(it).tokens, ref[0].tokens)
+
+
+def test_resume_fingerprint_refuses_another_dataset_with_the_same_rows_and_seed() -> None:
+    """The issue's silent case: other documents (here the same lengths, other tokens) give the
+    same row count and seed; the state is refused naming both fingerprints."""
+    state = a_state()
+    rng = np.random.default_rng(7)
+    other_docs = [
+        Document(tokens=rng.integers(1, 500, len(d)), loss_mask=d.loss_mask) for d in DOCS
+    ]
+    other = PackedDataset(other_docs, seq_len=SEQ, rows_per_micro_batch=ROWS, dp_size=2,
+                          micro_batches=GLOBAL // 2)  # fmt: skip
+    assert other.meta["rows"] == state["rows"] and other.meta["seed"] == state["seed"]
+    mine = other.meta["fingerprint"]
+    assert mine != state["fingerprint"]
+    with pytest.raises(ValueError, match=rf"the checkpoint's dataset has fingerprint="
+                                         rf"'{state['fingerprint']}', this one has fingerprint='{mine}'"):  # fmt: skip
+        other.iterate().load_state_dict(state)
+
+
+def test_resume_reads_a_state_of_an_earlier_megapack_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A version-1 state (no fingerprint) is read as before, the missing check logged."""
+    state = a_state()
+    del state["fingerprint"]
+    state["version"] = 1
+    it = dataset(0, 2, "token").iterate()
+    with caplog.at_level(logging.WARNING, logger="megapack.data.resume"):
+        it.load_state_dict(state)
+    assert it.index == 2
+    assert "records no dataset fingerprint" in caplog.text
+    state["version"] = 2  # a version-2 state must have one
+    with pytest.raises(ValueError, match="the state has no 'fingerprint'"):
+        it.load_state_dict(state)

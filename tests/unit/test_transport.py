@@ -509,3 +509,19 @@ def test_a_small_frames_payload_is_the_frame_itself_not_a_copy(
     assert not shared and what == "the frame"
     assert np.shares_memory(sent.numpy(), sent_frame) and bytes(sent.numpy()) == payload
     assert bytes(peer_link.receive(what="x", timeout=5)[HEADER:]) == payload
+
+
+def test_align_ranks_that_declare_another_alignment_fail_naming_it(setup: Setup) -> None:
+    """Two ranks whose only difference is a per-token field's ``at``: the keys differ, and the
+    error shows each rank's alignment."""
+    token = schema_of((BatchField("lp", "token", torch.float32, "last", at="token"),))
+    label = schema_of((BatchField("lp", "token", torch.float32, "last", at="label"),))
+    setup.keys = [token.key, label.key]
+    group = Group()
+    with pytest.raises(ValueError) as info:
+        transport_for(topology(group), token, 2.5)
+    declared = "[('lp', 'token', 'torch.float32', 'last', 'at=token')]"
+    assert setup.strings[0][0] == declared
+    assert str(info.value).startswith(
+        f"TP ranks passed different fields= to get_batch_on_this_tp_rank: rank 0: {declared}"
+    )

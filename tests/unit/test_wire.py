@@ -164,7 +164,7 @@ def test_plain_batch_and_middle_stage() -> None:
 
 
 def test_declared_fields_roundtrip_bit_exact_in_their_dtypes() -> None:
-    fields = (BatchField("logp", "token", torch.bfloat16, "last"),
+    fields = (BatchField("logp", "token", torch.bfloat16, "last", at="label"),
               BatchField("weight", "sample", torch.float16, "all"),
               BatchField("grid_thw", "ragged", torch.int32, "first"))  # fmt: skip
     schema = schema_of(fields)
@@ -352,7 +352,7 @@ class Elsewhere(torch.Tensor):
 
 
 def test_device_pieces_are_concatenated_on_the_device_with_the_host_layout() -> None:
-    fields = (BatchField("logp", "token", torch.bfloat16, "last"),
+    fields = (BatchField("logp", "token", torch.bfloat16, "last", at="label"),
               BatchField("n", "sample", torch.int8, "all"))  # fmt: skip
     schema = schema_of(fields)
     values = dict(normalize(sample(), SCHEMA).values)
