@@ -10,12 +10,12 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-logging.getLogger("megapack").addHandler(
-    logging.NullHandler()
-)  # the application configures logging
+# the application configures logging
+logging.getLogger("megapack").addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
     from megapack.core.batch import PackedBatch
+    from megapack.core.buckets import BUCKET_FIELDS
     from megapack.core.errors import (
         CollectiveError,
         DesyncError,
@@ -30,12 +30,14 @@ if TYPE_CHECKING:
     from megapack.delivery.get_batch import get_batch_on_this_tp_rank
     from megapack.delivery.graph import GraphInputs
     from megapack.delivery.prefetch import Prefetcher, prefetch
+    from megapack.delivery.steps import lockstep_steps
     from megapack.distributed.comm import long_operation
     from megapack.distributed.sync import check_in_sync, lockstep
     from megapack.distributed.topology import Topology
     from megapack.packing.align import align_by_kind
 
 _EXPORTS = {
+    "BUCKET_FIELDS": "megapack.core.buckets",
     "BUILTIN_FIELDS": "megapack.core.fields",
     "BatchField": "megapack.core.fields",
     "CollectiveError": "megapack.core.errors",
@@ -55,6 +57,7 @@ _EXPORTS = {
     "check_in_sync": "megapack.distributed.sync",
     "get_batch_on_this_tp_rank": "megapack.delivery.get_batch",
     "lockstep": "megapack.distributed.sync",
+    "lockstep_steps": "megapack.delivery.steps",
     "long_operation": "megapack.distributed.comm",
     "prefetch": "megapack.delivery.prefetch",
     "with_loss_fields": "megapack.data.loss_steps",
@@ -62,6 +65,7 @@ _EXPORTS = {
 """Public name -> the module defining it, imported on first access."""
 
 __all__ = [
+    "BUCKET_FIELDS",
     "BUILTIN_FIELDS",
     "LOSS_FIELDS",
     "LOSS_MODES",
@@ -81,6 +85,7 @@ __all__ = [
     "check_in_sync",
     "get_batch_on_this_tp_rank",
     "lockstep",
+    "lockstep_steps",
     "long_operation",
     "prefetch",
     "with_loss_fields",

@@ -29,6 +29,7 @@ pieces), the same in memory and on disk: `save` writes them, `load` memory-maps 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,7 @@ from megapack.core.loss_fields import (
     warn_if_untrained,
 )
 from megapack.data.document import Document
+from megapack.data.fingerprint import fingerprint
 from megapack.data.layout import check_layout, plan_layout, read_layout, write_layout
 from megapack.data.resume import DatasetIterator, state_after
 from megapack.data.split import split_document
@@ -141,6 +143,7 @@ class PackedDataset:
             **layout,
             "origins": origins,
         }
+        self.meta["fingerprint"] = fingerprint(self._arrays)  # its identity, for resume checks
         self._configure(
             rows_per_micro_batch,
             dp_rank,
@@ -205,11 +208,13 @@ class PackedDataset:
         self.epoch = 0
         self._order: np.ndarray | None = None  # row order of self.epoch, computed on first use
         rows = int(self.meta["rows"])
-        self.num_micro_batches = -(
-            -rows // rows_per_micro_batch
-        )  # the last one may hold fewer rows
+        # the last micro-batch may hold fewer rows
+        self.num_micro_batches = -(-rows // rows_per_micro_batch)
         step = dp_size * micro_batches
         self.padded_micro_batches = -(-self.num_micro_batches // step) * step
+        _warn_if_mostly_filler(
+            self.num_micro_batches, self.padded_micro_batches, dp_size, micro_batches
+        )
 
     @property
     def seq_len(self) -> int:
@@ -339,8 +344,34 @@ class PackedDataset:
         group: dist.ProcessGroup | None = None,
         repeat: bool = False,
     ) -> Iterator[PackedBatch]:
-        """This rank's micro-batches in order (a resumable `DatasetIterator`; ``repeat``: epoch
-        after epoch); with ``lockstep=True``, every rank of ``group`` stops together."""
+        """This rank's micro-batches in order: a resumable `DatasetIterator` (``repeat``: epoch
+        after epoch, else one epoch).
+
+        Inside a pipeline schedule (megatron-core's ``get_forward_backward_func()``, training or
+        ``forward_only`` evaluation), wrap the loop, not the data: the TP source of each stage
+        passes this iterator to `megapack.lockstep_steps`, which reads each step ahead and stops
+        every rank of every stage and DP rank at the same step (a data call inside the schedule
+        cannot: a later stage waits for activations and never reaches its own)::
+
+            it = train.iterate() if topo.is_source else None
+            for step_iterator in megapack.lockstep_steps(it, micro_batches=num_microbatches, topology=topo):
+                schedule(..., data_iterator=step_iterator, num_microbatches=num_microbatches)
+
+        ``lockstep=True`` is for loops that call `megapack.get_batch_on_this_tp_rank` (or use the
+        batch) directly on every rank of ``group``, e.g. an evaluation without pipelining: every
+        rank of ``group`` stops at the same micro-batch (`megapack.lockstep`), here, on each item.
+
+        Raises:
+            TypeError: ``lockstep`` or ``repeat`` is not a bool.
+            ValueError: ``group`` given without ``lockstep=True`` (it would be ignored).
+        """
+        for name, value in (("lockstep", lockstep), ("repeat", repeat)):
+            if not isinstance(value, bool):
+                raise TypeError(f"iterate: {name} must be True or False, got {value!r}")
+        if group is not None and not lockstep:
+            raise ValueError(
+                "iterate: group= is used only with lockstep=True; pass lockstep=True, or drop group="
+            )
         iterator = DatasetIterator(self, repeat=repeat)
         if not lockstep:
             return iterator
@@ -348,17 +379,74 @@ class PackedDataset:
 
         return in_lockstep(iterator, group=group)
 
-    def state_for(self, *, consumed_samples: int) -> dict[str, Any]:
-        """The `DatasetIterator` state after ``consumed_samples`` rows over every DP rank and
-        epoch, as Megatron-LM counts them (``args.consumed_train_samples``): every epoch holds
-        ``padded_micro_batches x rows_per_micro_batch`` rows, filler included.
+    def settings(self) -> dict[str, Any]:
+        """What ranks reading this dataset must agree on, for `megapack.lockstep_steps`' checks.
+
+        The dataset's identity (`megapack.data.resume.identity`: what a checkpoint must share to
+        resume it, e.g. rows, seed, rows per micro-batch, balance), how it is dealt (``dp_size``,
+        ``micro_batches``, ``loss_fields``, ``seq_len``) and ``dp_rank``, which DP ranks must not
+        share and the pipeline stages and CP ranks of one DP rank must. Plain JSON values.
+
+        Example: ``PackedDataset.load("packed/", rows_per_micro_batch=2, dp_rank=1, dp_size=4)``
+        gives ``{..., "rows_per_micro_batch": 2, "dp_rank": 1, "dp_size": 4, "micro_batches": 1,
+        "loss_fields": False, "seq_len": 4096}``.
+        """
+        from megapack.data.resume import identity
+
+        return {
+            **identity(self),
+            "rows_per_micro_batch": self.rows_per_micro_batch,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "micro_batches": self.micro_batches,
+            "loss_fields": self.loss_fields,
+            "seq_len": self.seq_len,
+        }
+
+    def state_for(
+        self,
+        *,
+        consumed_samples: int | None = None,
+        micro_batch_size: int | None = None,
+        iterations: int | None = None,
+        global_batch_size: int | None = None,
+        plan: tuple[int, int] | None = None,
+    ) -> dict[str, Any]:
+        """The `DatasetIterator` state after what Megatron-LM counts, in its own units.
+
+        Megatron-LM counts *samples*: each ``forward_step`` call is one of its micro-batches of
+        ``--micro-batch-size`` samples, and gets one micro-batch of this dataset
+        (``rows_per_micro_batch`` rows, whatever that size). So with THD's ``--micro-batch-size
+        1`` a sample is a whole packed micro-batch; with ``--micro-batch-size`` equal to
+        ``rows_per_micro_batch``, a row. Give either counter (both: they must agree); see
+        `megapack.data.resume.state_after` for the checks and the errors.
+
+        Args:
+            consumed_samples: ``args.consumed_train_samples``; needs ``micro_batch_size``.
+            micro_batch_size: ``args.micro_batch_size`` (no default: it fixes what a sample is).
+            iterations: ``args.iteration``, optimizer steps done (``dp_size x micro_batches``
+                micro-batches each).
+            global_batch_size: ``args.global_batch_size``, checked against ``micro_batch_size x
+                dp_size x micro_batches``.
+            plan: with ``balance="compute"`` (required there), the (dp_size, micro_batches) the
+                checkpoint's epoch was planned for: this run's unless the DP size changed in it
+                (`DatasetIterator.state_dict` records it; counters cannot).
 
         Example (Megatron-LM's pretrain_gpt, building the train iterator)::
 
             it = dataset.iterate(repeat=True)
-            it.load_state_dict(dataset.state_for(consumed_samples=args.consumed_train_samples))
+            it.load_state_dict(dataset.state_for(consumed_samples=args.consumed_train_samples,
+                                                 micro_batch_size=args.micro_batch_size,
+                                                 global_batch_size=args.global_batch_size))
         """
-        return state_after(self, consumed_samples)
+        return state_after(
+            self,
+            consumed_samples=consumed_samples,
+            micro_batch_size=micro_batch_size,
+            iterations=iterations,
+            global_batch_size=global_batch_size,
+            plan=plan,
+        )
 
     def _row(self, row: int) -> PackedBatch:
         a = self._arrays
@@ -394,7 +482,8 @@ class PackedDataset:
         return PackedBatch.concat([self._filler_row()] * self.rows_per_micro_batch)
 
     def save(self, directory: str | Path) -> Path:
-        """Write the packed dataset (arrays + meta.json) to ``directory``; `load` reads it back."""
+        """Write the packed dataset (arrays + meta.json, its fingerprint included) to
+        ``directory``; `load` reads it back."""
         return write_layout(directory, self._arrays, self.meta)
 
     @classmethod
@@ -412,7 +501,9 @@ class PackedDataset:
         loss_fields: bool = False,
         split_documents: str = "whole",
     ) -> PackedDataset:
-        """Memory-map a dataset written by `save` or ``megapack pack`` (padding with its recorded pad id by default)."""
+        """Memory-map a dataset written by `save` or ``megapack pack`` (padding with its recorded
+        pad id by default). Its contents' fingerprint is checked against ``meta.json`` (computed,
+        and logged, for a directory packed before it was recorded): `megapack.data.layout`."""
         meta, arrays = read_layout(directory)
         dataset = cls.__new__(cls)
         dataset.meta, dataset._arrays = meta, arrays
@@ -429,6 +520,30 @@ class PackedDataset:
             split_documents,
         )
         return dataset
+
+
+FILLER_WARNING = 0.10
+"""Above this share of an epoch's micro-batches being zero-loss filler, `PackedDataset` warns."""
+
+
+def _warn_if_mostly_filler(real: int, padded: int, dp_size: int, micro_batches: int) -> None:
+    """Warn when more than `FILLER_WARNING` of the epoch's micro-batches are filler.
+
+    Example: 86 rows, 1 row a micro-batch, ``micro_batches=1000`` on 1 DP rank: the epoch is padded
+    to one step of 1,000 micro-batches, 914 of them (91%) filler that trains nothing.
+    """
+    filler = padded - real
+    if filler <= FILLER_WARNING * padded:
+        return
+    warnings.warn(
+        f"PackedDataset: {filler:,} of the epoch's {padded:,} micro-batches ({filler / padded:.0%}) "
+        f"are zero-loss filler: {real:,} micro-batch{'es' if real != 1 else ''} of data padded to "
+        f"whole steps of dp_size {dp_size} x micro_batches {micro_batches} = "
+        f"{dp_size * micro_batches:,}. Every filler "
+        "micro-batch costs a forward and backward and trains nothing: use fewer micro-batches a "
+        "step or fewer DP ranks for this data, or more data",
+        stacklevel=4,
+    )
 
 
 def _check_positive(**values: int) -> None:

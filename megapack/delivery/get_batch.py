@@ -15,10 +15,15 @@ re-raises its own error and every peer raises `RemoteDataError` within one trans
 the next call delivers the next batch. A data iterator that ends stops every TP rank in the same
 call. Megapack's collectives and links wait at most the megapack timeout (`megapack.distributed.comm`) and
 then raise `CollectiveError` naming the ranks.
+
+An iterator passed on a TP rank other than the source is never read (Megatron's own function
+ignores it too, and scripts often pass the same iterator on every TP rank): a warning says so,
+once per TP group, so a script that meant each TP rank to read its own data learns it did not.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megapack.core.buckets import BUCKET_NAMES, with_bucket_plan
 from megapack.core.cp_share import CP_LAYOUTS, CpLayout, take_share
 from megapack.core.errors import CollectiveError, ProtocolError, RemoteDataError
 from megapack.core.fields import BatchField, Schema, Stage, schema_of
@@ -42,6 +48,8 @@ __all__ = ["get_batch_on_this_tp_rank"]
 
 # Calls so far per TP group, the step $MEGAPACK_DEBUG_SYNC's check compares (same on all ranks).
 _calls: weakref.WeakKeyDictionary[dist.ProcessGroup, list[int]] = weakref.WeakKeyDictionary()
+# TP groups whose non-source rank was warned that its data_iterator is ignored (once a group).
+_warned_ignored: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,7 +93,8 @@ def get_batch_on_this_tp_rank(
     ``max_seqlen`` stay the whole row's, and ``packed_seq_params.cp_group`` is the CP group.
 
     Args:
-        data_iterator: the source's iterator; ignored on the other TP ranks.
+        data_iterator: the source's iterator; never read on the other TP ranks (pass None there;
+            an iterator there is ignored with a warning, once per TP group).
         topology: this rank's place in the grid; default: from megatron-core's ``parallel_state``.
         timeout: seconds a peer waits for the source (default: $MEGAPACK_TIMEOUT_S or 300).
         cp_layout: "document" or "row", how packed rows are split over CP ranks; default:
@@ -135,6 +144,8 @@ def get_batch_on_this_tp_rank(
         )
         calls[0] += 1
     transport = transport_for(topo, schema, timeout)
+    if data_iterator is not None and not topo.is_source:
+        warn_ignored_iterator(topo, "get_batch_on_this_tp_rank")
     if topo.is_source:
         options = _SourceOptions(
             cp_layout=topo.cp_layout if cp_layout is None else cp_layout,
@@ -144,6 +155,20 @@ def get_batch_on_this_tp_rank(
         )
         return _send(data_iterator, topo, schema, transport, timeout, options)
     return _receive(topo, schema, transport, timeout)
+
+
+def warn_ignored_iterator(topo: Topology, caller: str) -> None:
+    """Warn, once per TP group, that this non-source TP rank's data iterator is never read."""
+    if topo.tp_group is None or topo.tp_group in _warned_ignored:
+        return
+    _warned_ignored.add(topo.tp_group)
+    warnings.warn(
+        f"{caller}: rank {topo.tp_ranks[topo.tp_rank]} is TP rank {topo.tp_rank}, not its group's "
+        f"TP source (global rank {topo.src_rank}): its data_iterator is ignored. Only the TP source "
+        "reads data and sends every TP rank the same batch; pass data_iterator=None on the other "
+        "TP ranks (as Megatron builds the data iterator only on TP rank 0)",
+        stacklevel=3,
+    )
 
 
 def _send(
@@ -163,6 +188,8 @@ def _send(
             batch = normalize(next(data_iterator), schema, packed=options.packed)
             if options.static is not None and batch.layout == Layout.PACKED:
                 batch = Batch(batch.layout, pad_static(batch.values, options.static))
+            if _plans_buckets(schema, batch):
+                batch = Batch(batch.layout, with_bucket_plan(batch.values))
             _check_hybrid_cp(batch, topo)
             values = take_share(
                 batch.values,
@@ -249,6 +276,16 @@ def _without_iterator(topo: Topology, schema: Schema, options: _SourceOptions) -
     raise ValueError(
         f"data_iterator is None on TP source rank {topo.src_rank} (pipeline stage "
         f"{topo.stage.value!r}, pp_rank {topo.pp_rank}); this stage's TP rank 0 must get an iterator"
+    )
+
+
+def _plans_buckets(schema: Schema, batch: Batch) -> bool:
+    """Whether the source plans the attention buckets (`megapack.BUCKET_FIELDS` declared, a packed
+    batch that does not bring its own plan)."""
+    return (
+        batch.layout == Layout.PACKED
+        and BUCKET_NAMES[0] in schema.names
+        and batch.values.get(BUCKET_NAMES[0]) is None
     )
 
 

@@ -164,6 +164,30 @@ class FakeModel:
         return torch.zeros(1)
 
 
+class OnesModel(FakeModel):
+    """GPTModel with labels=: a loss of 1 at every position."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        super().__call__(*args, **kwargs)
+        return torch.ones(tuple(kwargs["labels"].shape))
+
+
+class OneRankSchedule:
+    """Stands in for megatron-core's schedule on one rank (tp = pp = 1): each micro-batch's
+    forward step and loss, in order; records (num_microbatches, forward_only) of each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool]] = []
+
+    def __call__(self, *, forward_step_func: Callable[..., Any], data_iterator: Any, model: Any,
+                 num_microbatches: int, forward_only: bool = False, **kwargs: Any) -> None:  # fmt: skip
+        for _ in range(num_microbatches):
+            output, loss_func = forward_step_func(data_iterator, model)
+            loss_func(output)
+        assert len(data_iterator) == 0, "the step held more micro-batches than the schedule took"
+        self.calls.append((num_microbatches, forward_only))
+
+
 # -- harnesses: what each snippet assumes around it, and what it must produce ------------------------
 def pretrain_get_batch(ns: dict[str, Any], run: Callable[[], None]) -> None:
     run()
@@ -276,12 +300,12 @@ def rl_fields(ns: dict[str, Any], run: Callable[[], None]) -> None:
             {"tokens": [8, 9], "advantages": [-1.0] * 2, "old_logprobs": [-2.0] * 2}]  # fmt: skip
     item = PackedBatch.from_documents(docs, seq_len=8, fields=fields)
     batch = ns["get_batch"](iter([item]), None)
-    assert batch["advantages"].tolist() == [[1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 0.0, 0.0]]
+    assert batch["advantages"].tolist() == [[1.0, 1.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0]]  # at="token"
     assert batch["pixel_values"].shape == (4, 6) and batch["image_grid_thw"].tolist() == [[1, 2, 2]]
     per_token = -batch["old_logprobs"]  # the policy still is the rollout's: every ratio is 1
-    loss, _ = ns["loss_func"](batch, per_token)
+    total, count, _ = ns["loss_func"](batch, per_token)  # --calculate-per-token-loss: (sum, count)
     trained = batch["loss_mask"].bool()
-    assert loss.item() == pytest.approx(-batch["advantages"][trained].mean().item())
+    assert total.item() / count.item() == pytest.approx(-batch["advantages"][trained].mean().item())
 
 
 def loss_modes(ns: dict[str, Any], run: Callable[[], None]) -> None:
@@ -313,13 +337,14 @@ def resume_recipe(ns: dict[str, Any], run: Callable[[], None]) -> None:
 
     packed = PackedDataset(list(read_documents("sft.jsonl")), seq_len=64)
     packed.save("packed/")
-    step = 2 * 1 * 2  # rows x dp x micro-batches: one global batch of rows
+    step = 1 * 1 * 2  # Megatron's THD micro-batch size 1 x dp x micro-batches: samples a step
     ns.update(PackedDataset=PackedDataset, dp_rank=0, dp_size=1, num_microbatches=2,
-              args=SimpleNamespace(consumed_train_samples=step))  # fmt: skip
+              args=SimpleNamespace(consumed_train_samples=3 * step, micro_batch_size=1,
+                                   global_batch_size=step))  # fmt: skip
     run()
     first = next(ns["data_iterator"])
     reference = PackedDataset.load("packed/", rows_per_micro_batch=2, micro_batches=2)
-    assert torch.equal(first.tokens, reference[2].tokens)  # the third micro-batch: after one step
+    assert torch.equal(first.tokens, reference[6].tokens)  # micro-batch 6: after three steps
 
 
 def quickstart(ns: dict[str, Any], run: Callable[[], None]) -> None:
@@ -327,8 +352,11 @@ def quickstart(ns: dict[str, Any], run: Callable[[], None]) -> None:
 
     if not Path("packed").exists():  # the quickstart's own `megapack pack ... --out packed/`
         assert main(["pack", "sft.jsonl", "--seq-len", "4096", "--out", "packed"]) == 0
-    ns.update(dp_rank=0, dp_size=1, num_microbatches=2, tp_rank=0)
+    schedule = OneRankSchedule()
+    ns.update(dp_rank=0, dp_size=1, num_microbatches=2, tp_rank=0, train_iters=3,
+              model=OnesModel(), forward_backward_func=schedule)  # fmt: skip
     run()
+    assert schedule.calls == [(2, False)] * 3  # the loop ran train_iters steps
 
     class PerTokenModel(FakeModel):
         def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -341,6 +369,19 @@ def quickstart(ns: dict[str, Any], run: Callable[[], None]) -> None:
         total.item(),
         count.item(),
     ]
+
+
+def schedule_loops(ns: dict[str, Any], run: Callable[[], None]) -> None:
+    from megapack.data import PackedDataset, read_documents
+
+    docs = list(read_documents("sft.jsonl"))  # 1,024 tokens each: 2 a row of 2,048
+    schedule = OneRankSchedule()
+    ns.update(train=PackedDataset(docs, seq_len=2048, micro_batches=2),
+              valid=PackedDataset(docs[:24], seq_len=2048, micro_batches=2),  # 12 rows: 6 steps
+              num_microbatches=2, train_iters=3, seq_length=2048, model=OnesModel(),
+              schedule=schedule)  # fmt: skip
+    run()
+    assert schedule.calls == [(2, False)] * 3 + [(2, True)] * 6
 
 
 def static_shapes(ns: dict[str, Any], run: Callable[[], None]) -> None:
@@ -357,8 +398,33 @@ def static_shapes(ns: dict[str, Any], run: Callable[[], None]) -> None:
     ns["ahead"].close()
 
 
+def graph_step(ns: dict[str, Any], run: Callable[[], None]) -> None:
+    import megapack
+    from megapack.core.static import segments_for
+    from megapack.data import PackedDataset, read_documents
+    from megapack.harness.gpt import TinyGPT
+    from megapack.harness.megatron_cpu import megatron_on_cpu
+
+    megatron_on_cpu()  # CPU: the snippet's mode="eager", the same work without the capture
+    model = TinyGPT(num_layers=1, hidden_size=32, vocab_size=512, max_sequence_length=4096).build()
+    model.config.calculate_per_token_loss = True
+    train = PackedDataset(list(read_documents("sft.jsonl")), seq_len=4096, rows_per_micro_batch=2,
+                          max_documents=8)  # fmt: skip
+    shape = megapack.StaticShape(max_segments=segments_for(8, 2), max_seqlen=4096)
+    ns.update(megapack=megapack, model=model, shape=shape, data_iterator=iter(train),
+              num_microbatches=2, train_iters=3, lr_at=lambda i: 1e-3 / (i + 1))  # fmt: skip
+    before = [p.detach().clone() for p in model.parameters()]
+    run()
+    step, out = ns["step"], ns["out"]
+    assert step.eager_steps == 0 and len(out.reports) == 2 and int(out.tokens) > 0
+    assert ns["lr"].item() == torch.tensor(1e-3 / 3).item()  # set_lr filled the optimizer's tensor
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
 HARNESSES: dict[str, Callable[[dict[str, Any], Callable[[], None]], None]] = {
+    "step = GraphStep(model, optimizer, forward_step": graph_step,
     "inputs = megapack.GraphInputs(next(ahead))": static_shapes,
+    "valid_data = valid.iterate() if topology.is_source else None": schedule_loops,
     "data_iterator = train.iterate(repeat=True) if tp_rank == 0": quickstart,
     "state_for(consumed_samples=": resume_recipe,
     "loss_fields=True)": loss_modes,

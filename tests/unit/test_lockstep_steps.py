@@ -1,0 +1,244 @@
+"""`megapack.lockstep_steps` in one process (no process group): reading steps ahead, where they
+end, the schedule's count, argument checks, and the first step's agreement rules
+(`agreement_errors`, a pure function of every rank's gathered settings). The same wrapper on
+several ranks under megatron-core's schedules: tests/functional/test_schedule_lockstep.py; its
+agreement across ranks: tests/functional/test_lockstep_agreement.py."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+import megapack
+from megapack.data import Document, PackedDataset
+from megapack.delivery.agreement import agreement_errors
+from megapack.delivery.steps import StepIterator, lockstep_steps
+
+ONE = megapack.Topology.single()
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group() -> None:
+    assert not dist.is_initialized(), "these tests check the single-process path"
+
+
+def take(steps: Any) -> list[list[Any]]:
+    """Each step's items, taken as a schedule takes them: exactly as many as the step holds."""
+    return [items(step) for step in steps]
+
+
+def items(step: StepIterator) -> list[Any]:
+    return [next(step) for _ in range(len(step))]
+
+
+def failing(n: int, at: int) -> Iterator[int]:
+    for i in range(n):
+        if i == at:
+            raise OSError(f"bad shard at {i}")
+        yield i
+
+
+def test_lockstep_steps_yield_whole_steps_in_order_then_stop() -> None:
+    steps = lockstep_steps(iter(range(6)), micro_batches=2, topology=ONE)
+    assert take(steps) == [[0, 1], [2, 3], [4, 5]]
+    assert steps.step == 3
+    with pytest.raises(StopIteration):  # and again: it stays ended
+        next(steps)
+
+
+def test_lockstep_steps_partial_last_step_warns_with_the_count_left() -> None:
+    with pytest.warns(UserWarning, match=r"ended after 2 of step 1's 3 micro-batches: the partial step is not run \(2 micro-batch\(es\) left unused\)"):  # fmt: skip
+        assert take(lockstep_steps(iter(range(5)), micro_batches=3, topology=ONE)) == [[0, 1, 2]]
+
+
+def test_lockstep_steps_whole_end_gives_no_warning() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert take(lockstep_steps(iter(range(4)), micro_batches=2, topology=ONE)) == [
+            [0, 1],
+            [2, 3],
+        ]
+
+
+def test_lockstep_steps_a_failing_iterator_raises_its_own_error_then_ends() -> None:
+    steps = lockstep_steps(failing(6, 3), micro_batches=2, topology=ONE)
+    assert items(next(steps)) == [0, 1]  # type: ignore[arg-type]
+    with pytest.raises(OSError, match="bad shard at 3") as caught:
+        next(steps)
+    assert any("raised on rank 0 at step 1" in n for n in caught.value.__notes__)
+    with pytest.raises(RuntimeError, match="ended with an error at step 1"):
+        next(steps)
+
+
+def test_lockstep_steps_schedule_taking_fewer_items_is_an_error_at_the_next_step() -> None:
+    steps = lockstep_steps(iter(range(8)), micro_batches=3, topology=ONE)
+    first = next(steps)
+    assert next(first) == 0  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match=r"the schedule took 1 of step 0's 3 micro-batches on rank 0; the rest would be lost"):  # fmt: skip
+        next(steps)
+
+
+def test_lockstep_steps_schedule_asking_for_more_items_is_an_error() -> None:
+    step = next(lockstep_steps(iter(range(8)), micro_batches=2, topology=ONE))
+    assert isinstance(step, StepIterator) and [next(step), next(step)] == [0, 1] and len(step) == 0
+    with pytest.raises(ValueError, match=r"asked for micro-batch 3 of step 0, which holds 2: pass the schedule's num_microbatches"):  # fmt: skip
+        next(step)
+
+
+def test_lockstep_steps_read_every_chunk_of_a_virtual_pipeline() -> None:
+    topo = megapack.Topology(
+        tp_group=None, tp_ranks=(0,), tp_rank=0, pp_size=2, vp_stage=0, vp_size=2
+    )
+    steps = lockstep_steps([iter(range(4)), iter(range(10, 13))], micro_batches=2, topology=topo)
+    first = next(steps)
+    assert isinstance(first, list) and [items(c) for c in first] == [[0, 1], [10, 11]]  # type: ignore[arg-type]
+    with (
+        pytest.warns(UserWarning, match=r"\(model chunk 1\) ended after 1 of step 1's 2"),
+        pytest.raises(StopIteration),
+    ):
+        next(steps)
+
+
+def test_lockstep_steps_refuse_what_a_schedule_cannot_take() -> None:
+    vp = megapack.Topology(
+        tp_group=None, tp_ranks=(0,), tp_rank=0, pp_size=2, vp_stage=0, vp_size=2
+    )
+    with pytest.raises(ValueError, match=r"virtual pipelining is on \(vp_size=2\): pass a list of 2 data iterators"):  # fmt: skip
+        lockstep_steps(iter([]), micro_batches=1, topology=vp)
+    with pytest.raises(ValueError, match="lists 3 iterators but virtual pipelining has vp_size=2"):
+        lockstep_steps([iter([])] * 3, micro_batches=1, topology=vp)
+    with pytest.raises(ValueError, match="data_iterator is an empty list"):
+        lockstep_steps([], micro_batches=1, topology=ONE)
+    with pytest.raises(TypeError, match=r"data_iterator\[0\] must be an iterator .* got list"):
+        lockstep_steps([[1, 2]], micro_batches=1, topology=ONE)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"data_iterator must be an iterator .* got tuple"):
+        lockstep_steps((1, 2), micro_batches=1, topology=ONE)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="micro_batches must be an int >= 1, got 0"):
+        lockstep_steps(iter([]), micro_batches=0, topology=ONE)
+    with pytest.raises(TypeError, match="micro_batches must be an int >= 1, got str"):
+        lockstep_steps(iter([]), micro_batches="2", topology=ONE)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dataset must have a settings"):
+        lockstep_steps(iter([]), micro_batches=1, topology=ONE, dataset=[1])
+
+
+def test_lockstep_steps_source_without_data_on_an_end_stage_is_an_error_before_any_step() -> None:
+    with pytest.raises(ValueError, match=r"rank 0 is the TP source of a 'only' pipeline stage but passed data_iterator=None"):  # fmt: skip
+        next(lockstep_steps(None, micro_batches=1, topology=ONE))
+    middle = megapack.Topology(tp_group=None, tp_ranks=(0,), tp_rank=0, pp_rank=1, pp_size=3)
+    with pytest.raises(ValueError, match="no rank reads data"):  # a middle stage may have none
+        next(lockstep_steps(None, micro_batches=1, topology=middle))
+
+
+def documents(n: int) -> list[Document]:
+    return [Document(tokens=np.arange(1, 9), loss_mask=np.ones(8, np.float32))] * n
+
+
+def test_agree_dataset_behind_the_iterator_is_checked_against_the_schedule() -> None:
+    fields = PackedDataset(documents(6), 8, micro_batches=3, loss_fields=True)
+    with pytest.raises(ValueError, match=r"dataset is built for micro_batches=3 a step but the schedule runs micro_batches=2, and its loss fields count"):  # fmt: skip
+        next(lockstep_steps(fields.iterate(), micro_batches=2, topology=ONE))
+    plain = PackedDataset(documents(6), 8, micro_batches=3)
+    with pytest.warns(UserWarning, match="built for micro_batches=3 a step but the schedule runs micro_batches=2: its epoch"):  # fmt: skip
+        next(lockstep_steps(plain.iterate(), micro_batches=2, topology=ONE))
+    # found behind a prefetcher too (tp = 1: no group needed)
+    with (
+        megapack.prefetch(fields.iterate(), topology=ONE) as ahead,
+        pytest.raises(ValueError, match="its loss fields count"),
+    ):
+        next(lockstep_steps(ahead, micro_batches=2, topology=ONE))
+
+
+# ------------------------------------------------------------------ agreement_errors: the rules
+
+
+def rank(micro_batches: int = 2, *datasets: dict[str, Any], dp: list[int] | None = None,
+         reads: bool = True, problems: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+    return {"micro_batches": micro_batches, "reads": reads, "problems": list(problems),
+            "datasets": list(datasets), "dp": dp}  # fmt: skip
+
+
+def ds(**changes: Any) -> dict[str, Any]:
+    settings = {"version": 1, "fingerprint": "blake2b-128:aa", "rows": 86, "seed": 0,
+                "rows_per_micro_batch": 2, "balance": "token", "dp_rank": 0, "dp_size": 1,
+                "micro_batches": 2, "loss_fields": False, "seq_len": 64}  # fmt: skip
+    return {**settings, **changes}
+
+
+def test_agree_rules_pass_for_a_consistent_job() -> None:
+    everyone = [(r, rank(2, ds(dp_rank=r % 2, dp_size=2), dp=[r % 2, 2])) for r in range(4)]
+    everyone += [(4 + r, rank(2, reads=False, dp=[r % 2, 2])) for r in range(4)]  # TP peers
+    assert agreement_errors(everyone) == ([], [])
+
+
+def test_agree_rules_schedule_counts_and_readers() -> None:
+    errors, _ = agreement_errors([(0, rank(2, reads=True)), (1, rank(4, reads=False))])
+    assert errors == ["ranks disagree on the schedule's micro-batches a step, micro_batches: rank 0 has 2, rank 1 has 4"]  # fmt: skip
+    errors, _ = agreement_errors([(0, rank(reads=False)), (1, rank(reads=False))])
+    assert len(errors) == 1 and errors[0].startswith("no rank reads data")
+    errors, _ = agreement_errors([(r, rank(problems=(f"rank {r} is wrong",))) for r in range(5)])
+    assert errors == ["rank 0 is wrong", "rank 1 is wrong", "rank 2 is wrong", "and 2 more"]
+
+
+@pytest.mark.parametrize("key", ["rows_per_micro_batch", "micro_batches", "dp_size", "loss_fields"])
+def test_agree_rules_step_shape_must_match_on_every_rank(key: str) -> None:
+    other = {"rows_per_micro_batch": 1, "micro_batches": 4, "dp_size": 2, "loss_fields": True}[key]
+    everyone = [(0, rank(2, ds())), (3, rank(2, ds(**{key: other})))]
+    errors, _ = agreement_errors(everyone)
+    mine = ds()[key]
+    assert errors == [f"the datasets disagree on {key}: rank 0 has {mine!r}, rank 3 has {other!r} (every rank must build its dataset alike)"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("key", "other"), [("seed", 1), ("fingerprint", "blake2b-128:bb"), ("rows", 87)]
+)
+def test_agree_rules_dp_shards_share_the_dataset_identity(key: str, other: Any) -> None:
+    everyone = [(0, rank(2, ds(dp_size=2))), (1, rank(2, ds(dp_size=2, dp_rank=1, **{key: other})))]
+    errors, _ = agreement_errors(everyone)
+    assert errors == [f"the DP shards read different datasets, {key}: rank 0 has {ds()[key]!r}, rank 1 has {other!r} (every DP rank must load the same packed data, with its own dp_rank)"]  # fmt: skip
+    # per-rank datasets (dp_size 1 each, e.g. evaluation sets packed per rank) may differ
+    everyone = [(0, rank(2, ds())), (1, rank(2, ds(**{key: other})))]
+    assert agreement_errors(everyone) == ([], [])
+
+
+def test_agree_rules_with_megatron_parallel_state() -> None:
+    # tp 1 x pp 2 x dp 2: ranks 0, 1 are stage 0 of DP ranks 0, 1; ranks 2, 3 stage 1
+    good = [(r, rank(2, ds(dp_rank=r % 2, dp_size=2), dp=[r % 2, 2])) for r in range(4)]
+    assert agreement_errors(good) == ([], [])
+    wrong = [
+        *good[:3],
+        (3, rank(2, ds(dp_rank=0, dp_size=2), dp=[1, 2])),
+    ]  # stage 1 of DP 1 reads shard 0
+    errors, _ = agreement_errors(wrong)
+    assert errors[0].startswith("rank 3's dataset is DP shard 0 of 2 but megatron-core's parallel_state puts rank 3 at DP rank 1 of 2")  # fmt: skip
+    assert errors[1] == "the pipeline stages and CP ranks of DP rank 1 read different data, dp_rank: rank 1 has 1, rank 3 has 0 (they must read the same micro-batches)"  # fmt: skip
+    # per-rank datasets: a pipeline's stages must still read the same one
+    split = [(0, rank(2, ds(), dp=[0, 2])), (1, rank(2, ds(seed=1), dp=[1, 2])),
+             (2, rank(2, ds(), dp=[0, 2])), (3, rank(2, ds(seed=2), dp=[1, 2]))]  # fmt: skip
+    errors, _ = agreement_errors(split)
+    assert errors == ["the pipeline stages and CP ranks of DP rank 1 read different data, seed: rank 1 has 1, rank 3 has 2 (they must read the same micro-batches)"]  # fmt: skip
+
+
+def test_agree_rules_warn_when_every_dp_rank_reads_the_same_data() -> None:
+    same = [(r, rank(2, ds(), dp=[r % 2, 2])) for r in range(4)]  # forgot dp_rank/dp_size
+    errors, cautions = agreement_errors(same)
+    assert errors == [] and len(cautions) == 1
+    ranks, text = cautions[0]
+    assert ranks == {0, 1, 2, 3} and text.startswith("ranks [0, 1] are on different DP ranks but read the same dataset with dp_size=1")  # fmt: skip
+    differ = [(r, rank(2, ds(fingerprint=f"blake2b-128:{r % 2}"), dp=[r % 2, 2])) for r in range(4)]
+    assert agreement_errors(differ) == ([], [])
+
+
+def test_agree_rules_dataset_steps_against_the_schedule() -> None:
+    errors, cautions = agreement_errors(
+        [(0, rank(2, ds(micro_batches=3))), (1, rank(2, reads=False))]
+    )
+    assert errors == [] and cautions == [({0}, "rank 0's dataset is built for micro_batches=3 a step but the schedule runs micro_batches=2: its epoch is padded to whole steps of its own (build it with micro_batches=num_microbatches)")]  # fmt: skip
+    errors, cautions = agreement_errors([(0, rank(2, ds(micro_batches=3, loss_fields=True)))])
+    assert (
+        len(errors) == 1 and "every loss denominator would be wrong" in errors[0] and cautions == []
+    )
