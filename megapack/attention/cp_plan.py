@@ -1,20 +1,25 @@
 """`CpPlan`: which local queries of a context-parallel rank attend to which row keys (`megapack.attention.cp_attention`).
 
-Built once per micro-batch from the whole row's boundaries (`plan_for` caches it on the
-``packed_seq_params``), shared by `megapack.attention.cp_attention`'s gather and the cross kernels
-(`megapack.attention.cp_kernels`).
+Built once per micro-batch from the whole row's boundaries (`plan_for` keeps it in the
+micro-batch's `megapack.attention.documents.Documents`, the one owner of batch-derived state),
+shared by `megapack.attention.cp_attention`'s gather and the cross kernels
+(`megapack.attention.cp_kernels`). Building it reads a few sizes on the host, so it is refused
+inside a CUDA-graph capture (`megapack.core.capture`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from megapack.core.capture import refuse_under_capture
 from megapack.core.cp_share import CpLayout, cp_indices, position_documents
+
+if TYPE_CHECKING:
+    from megapack.attention.documents import Documents
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +70,11 @@ class CpPlan:
             >>> p.positions.tolist(), p.k_index.tolist(), p.cu_q.tolist(), p.cu_k.tolist()
             ([0, 1, 6, 7], [0, 1, 3, 4, 5, 6, 7], [0, 2, 4], [0, 2, 7])
         """
+        refuse_under_capture(
+            "context-parallel attention's plan",
+            "it reads its segment sizes on the host",
+            "capture with context_parallel_size=1, or run context parallelism eagerly",
+        )
         total = cp_size * local_total
         if cu_buffer.device.type == "cpu" and int(cu_buffer[-1]) != total:
             raise ValueError(
@@ -111,36 +121,31 @@ class CpPlan:
 
 
 def plan_for(
-    params: Any,
-    cu_buffer: torch.Tensor,
-    cu_real: torch.Tensor,
+    docs: Documents,
     *,
     cp_size: int,
     cp_rank: int,
     layout: CpLayout,
     local_total: int,
 ) -> CpPlan:
-    """`CpPlan.build`, once per micro-batch: cached on ``params`` (its ``packed_seq_params``).
+    """`CpPlan.build` for the micro-batch of ``docs``, once: kept in ``docs.memo``.
 
-    megatron-core hands every layer the same ``packed_seq_params`` object, so the plan (a few host
-    syncs on a GPU) is built by the first layer and reused by the others. The cache holds the
-    boundary tensor it was built from and is rebuilt when that is not the same object.
+    megatron-core hands every layer the same ``packed_seq_params``, whose `Documents` is built by
+    the first layer; the plan (a few host syncs on a GPU) is built by the first layer too and
+    reused by the others. It is rebuilt with its `Documents`: for new or refilled boundaries, and
+    for a CUDA-graph capture (where building it is refused).
     """
-    key = (cp_size, cp_rank, layout, local_total)
-    cache: tuple[torch.Tensor, list[tuple[Any, CpPlan]]] | None = getattr(
-        params, "_megapack_cp_plans", None
-    )
-    if cache is None or cache[0] is not cu_buffer:
-        cache = (cu_buffer, [])
-        with contextlib.suppress(AttributeError):  # a params object without __dict__: no cache
-            params._megapack_cp_plans = cache
-    for (cached_key, cached_real), plan in cache[1]:
-        if cached_key == key and cached_real is cu_real:
-            return plan
-    plan = CpPlan.build(
-        cu_buffer, cu_real, cp_size=cp_size, cp_rank=cp_rank, layout=layout, local_total=local_total
-    )
-    cache[1].append(((key, cu_real), plan))
+    key = ("cp_plan", cp_size, cp_rank, layout, local_total)
+    plan = docs.memo.get(key)
+    if plan is None:
+        plan = docs.memo[key] = CpPlan.build(
+            docs.cu_buffer,
+            docs.cu_real,
+            cp_size=cp_size,
+            cp_rank=cp_rank,
+            layout=layout,
+            local_total=local_total,
+        )
     return plan
 
 

@@ -1,14 +1,23 @@
 """`Documents`: the boundaries of one THD micro-batch, and everything derived from them, once.
 
 megatron-core hands every layer the same ``packed_seq_params``; `Documents.from_params` caches one
-`Documents` on it (keyed by the identity and version of the boundary tensors, as
-`megapack.attention.cp_attention.plan_for` caches the CP plan), so what the kernels derive from the boundaries
-is computed by the first layer and reused by every other layer and by the backward pass:
+`Documents` on it (keyed by the identity and version of the boundary tensors and by the CUDA-graph
+capture under way), so what the kernels derive from the boundaries is computed by the first layer
+and reused by every other layer and by the backward pass:
 
     segment_ids / offsets / real   [T] on the device, no host read (searchsorted over the boundaries)
     host_bounds                    the boundaries as Python lists: the one host read of the SDPA
-                                   reference, once per micro-batch
-    memo                           per-kernel values (the flex block mask, RoPE cos/sin tables)
+                                   reference, once per micro-batch (refused inside a capture)
+    memo                           per-kernel values: the flex block mask, RoPE cos/sin tables, the
+                                   context-parallel plan (`megapack.attention.cp_plan.plan_for`), the
+                                   cuDNN and bucketed kernels' offsets and plans
+
+This is the one owner of per-micro-batch derived state, so the rule for CUDA graphs lives here
+(`megapack.core.capture`): an entry is valid only under the capture token it was built under.
+A warm-up's `Documents` is not reused inside a capture (its tensors would be frozen into every
+replay: the first batch's boundaries forever); the capture builds its own, recorded in the graph,
+which its layers share; the first eager call after the capture builds a fresh one. Refilling the
+boundary tensors in place (`megapack.GraphInputs.load`) bumps their version: the next call rebuilds.
 
 Worked example: documents of real lengths ``[3, 2]`` padded to ``[4, 4]``: ``cu_real [0, 3, 5]``,
 ``cu_buffer [0, 4, 8]``; ``segment_ids [0, 0, 0, 0, 1, 1, 1, 1]``, ``offsets [0, 1, 2, 3, 0, 1, 2, 3]``
@@ -21,9 +30,13 @@ document is not detected (that would need a host read).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Hashable
 from typing import Any
 
 import torch
+
+from megapack.core.capture import capture_token, refuse_under_capture
+from megapack.core.seq_params import BUCKETS_ATTR
 
 _CACHE = "_megapack_documents"
 
@@ -49,7 +62,11 @@ class Documents:
         self.padded = cu_buffer is not cu_real
         self.memo: dict[Any, Any] = {}
         """Values kernels derive from these boundaries (flex block mask, RoPE tables), by key."""
-        self._key = _key(cu_real, cu_buffer, max_seqlen, total)
+        self.token = capture_token()
+        """The CUDA-graph capture this was built under (None: eager); see the module docstring."""
+        self.buckets: tuple[torch.Tensor, ...] | None = None
+        """The delivered bucket plan (`megapack.core.buckets`), when the batch brought one."""
+        self._key = _key(cu_real, cu_buffer, max_seqlen, total, self.token)
 
     @classmethod
     def from_params(cls, params: Any, total: int) -> Documents:
@@ -58,7 +75,9 @@ class Documents:
         cu_buffer = cu_real if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
         max_seqlen = params.max_seqlen_q
         cached = getattr(params, _CACHE, None)
-        if cached is not None and cached._key == _key(cu_real, cu_buffer, max_seqlen, total):
+        if cached is not None and cached._key == _key(
+            cu_real, cu_buffer, max_seqlen, total, capture_token()
+        ):
             return cached
         kv = params.cu_seqlens_kv
         # Identity first: megapack passes one tensor for q and kv, so no device sync happens here.
@@ -67,6 +86,7 @@ class Documents:
                 "PackedAttention is self-attention: cu_seqlens_kv must equal cu_seqlens_q"
             )
         docs = cls(cu_real, cu_buffer, int(max_seqlen), total)
+        docs.buckets = getattr(params, BUCKETS_ATTR, None)
         with contextlib.suppress(AttributeError):  # a params object without __dict__: no cache
             setattr(params, _CACHE, docs)
         return docs
@@ -82,7 +102,9 @@ class Documents:
         """
         holder = cu_real if cu_buffer is None else cu_buffer
         cached = getattr(holder, _CACHE, None)
-        if cached is not None and cached._key == _key(cu_real, holder, max_seqlen, total):
+        if cached is not None and cached._key == _key(
+            cu_real, holder, max_seqlen, total, capture_token()
+        ):
             return cached
         docs = cls(cu_real, holder, max_seqlen, total)
         setattr(holder, _CACHE, docs)
@@ -115,8 +137,19 @@ class Documents:
         return self.memo["real"]
 
     def host_bounds(self) -> tuple[list[int], list[int]]:
-        """(buffer boundaries, real boundaries) as Python lists: one host read per micro-batch."""
+        """(buffer boundaries, real boundaries) as Python lists: one host read per micro-batch.
+
+        Raises:
+            CaptureError: inside a CUDA-graph capture (a host read cannot be recorded).
+        """
         if "host_bounds" not in self.memo:
+            refuse_under_capture(
+                "the document boundaries' host copy (attention backend 'sdpa', or 'bucketed' "
+                "without a delivered plan)",
+                "a host read cannot be recorded",
+                "capture with backend 'cudnn', 'te', 'flash_attn' or 'torch_varlen' and a "
+                "megapack.StaticShape",
+            )
             if self.padded:
                 both = torch.stack([self.cu_buffer.to(torch.int64), self.cu_real.to(torch.int64)])
                 buffer, real = both.tolist()
@@ -132,11 +165,14 @@ def zero_padding(out: torch.Tensor, docs: Documents) -> torch.Tensor:
     return out if real is None else out * real[:, None, None].to(out.dtype)
 
 
-def _key(cu_real: torch.Tensor, cu_buffer: torch.Tensor, max_seqlen: Any, total: int) -> tuple:
-    """What a cached `Documents` must match: the same tensors, unmodified, and the same sizes.
+def _key(
+    cu_real: torch.Tensor, cu_buffer: torch.Tensor, max_seqlen: Any, total: int, token: Hashable
+) -> tuple:
+    """What a cached `Documents` must match: the same tensors, unmodified, the same sizes, and
+    the same CUDA-graph capture (`megapack.core.capture.capture_token`; None: eager).
 
     Identities, not values: comparing values would read the device. The cached `Documents` holds
     the tensors, so their ids cannot be reused while it lives.
     """
     longest = max_seqlen if isinstance(max_seqlen, int) else id(max_seqlen)
-    return (id(cu_real), cu_real._version, id(cu_buffer), cu_buffer._version, longest, total)
+    return (id(cu_real), cu_real._version, id(cu_buffer), cu_buffer._version, longest, total, token)

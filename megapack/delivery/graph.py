@@ -13,8 +13,12 @@ read) and returns the same dict every time: capture the step on it once, then ``
     for batch in batches:                    # e.g. megapack.prefetch(..., static=shape)
         inputs.load(batch); graph.replay()
 
-A batch whose field differs in shape or dtype (a batch not in the static shape) or whose
-``max_seqlen`` differs is a ValueError naming the field and both shapes, before anything is copied.
+A batch whose field differs in shape, dtype or device (a batch not in the static shape), whose
+``max_seqlen`` differs, or that carries a tensor where the first batch had None is a ValueError
+naming the field and both sides, before anything is copied (`check` alone runs those checks:
+`megapack.megatron.graph_step.GraphStep` checks every micro-batch of a step before loading any).
+A whole captured step of M micro-batches reads M of these, one per micro-batch slot
+(`megapack.megatron.graph_step`).
 """
 
 from __future__ import annotations
@@ -54,24 +58,39 @@ class GraphInputs:
                 local_cp_size=getattr(params, "local_cp_size", None),
             )
 
-    def load(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """Copy ``batch`` into the buffers (stream-ordered) and return the static dict."""
+    def check(self, batch: Mapping[str, Any]) -> None:
+        """Raise ValueError (naming the field, what it is and what the step reads) unless
+        ``batch`` fits the buffers; copies nothing."""
         for name, buffer in self.buffers.items():
             value = batch.get(name)
             if (
                 not isinstance(value, torch.Tensor)
                 or value.shape != buffer.shape
                 or value.dtype != buffer.dtype
+                or value.device != buffer.device
             ):
+                where = (  # the devices only when they differ
+                    (f" on {value.device}", f" on {buffer.device}")
+                    if isinstance(value, torch.Tensor) and value.device != buffer.device
+                    else ("", "")
+                )
                 got = (
-                    f"{tuple(value.shape)} {value.dtype}"
+                    f"{tuple(value.shape)} {value.dtype}{where[0]}"
                     if isinstance(value, torch.Tensor)
                     else repr(value)
                 )
                 raise ValueError(
                     f"GraphInputs: batch[{name!r}] is {got} but the captured step reads "
-                    f"{tuple(buffer.shape)} {buffer.dtype}: deliver every batch in one static "
-                    "shape (get_batch_on_this_tp_rank(..., static=megapack.StaticShape(...)))"
+                    f"{tuple(buffer.shape)} {buffer.dtype}{where[1]}: deliver every "
+                    "batch in one static shape (get_batch_on_this_tp_rank(..., "
+                    "static=megapack.StaticShape(...)))"
+                )
+        for name, value in batch.items():
+            if isinstance(value, torch.Tensor) and name not in self.buffers:
+                raise ValueError(
+                    f"GraphInputs: batch[{name!r}] is a {tuple(value.shape)} tensor but the "
+                    f"captured step was made from a batch whose {name!r} was None: it would never "
+                    "be read; deliver every batch with the same fields"
                 )
         for name, value in self.scalars.items():
             if batch.get(name) != value:
@@ -79,6 +98,11 @@ class GraphInputs:
                     f"GraphInputs: batch[{name!r}] is {batch.get(name)!r} but the captured step "
                     f"was made for {value!r}"
                 )
+
+    def load(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """Copy ``batch`` into the buffers (stream-ordered) and return the static dict; `check`
+        first, so a batch that does not fit changes nothing."""
+        self.check(batch)
         for name, buffer in self.buffers.items():
             buffer.copy_(batch[name], non_blocking=True)
         return self.batch

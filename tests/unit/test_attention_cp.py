@@ -214,13 +214,23 @@ def test_plan_rejects_a_document_the_document_layout_cannot_split() -> None:
     assert allowed_pairs(plan) == brute_pairs([0, 5, 8], [0, 5, 8], [2, 3, 4, 5])
 
 
-def test_plan_is_built_once_per_packed_seq_params() -> None:
-    cu = torch.tensor([0, 3, 8])
-    params = SimpleNamespace()
+def test_plan_is_built_once_per_micro_batch_and_again_after_a_refill() -> None:
+    from megapack.attention.documents import Documents
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    params = make_packed_seq_params(cu, None, 5)
     kwargs: Any = {"cp_size": 2, "cp_rank": 0, "layout": "row", "local_total": 4}
-    first = plan_for(params, cu, cu, **kwargs)
-    assert plan_for(params, cu, cu, **kwargs) is first  # every later layer of the micro-batch
-    assert plan_for(params, cu, cu, **{**kwargs, "cp_rank": 1}).positions.tolist() == [2, 3, 4, 5]
-    other = torch.tensor([0, 4, 8])  # new boundaries on the same object: rebuilt, not reused
-    assert plan_for(params, other, other, **kwargs).k_index.tolist() == [0, 1, 4, 5, 6, 7]
-    assert plan_for(SimpleNamespace(), cu, cu, **kwargs) is not first
+    first = plan_for(Documents.from_params(params, total=4), **kwargs)
+    assert plan_for(Documents.from_params(params, total=4), **kwargs) is first  # later layers
+    rank1 = plan_for(Documents.from_params(params, total=4), **{**kwargs, "cp_rank": 1})
+    assert rank1.positions.tolist() == [2, 3, 4, 5]
+    other = make_packed_seq_params(torch.tensor([0, 4, 8], dtype=torch.int32), None, 4)
+    assert plan_for(Documents.from_params(other, total=4), **kwargs).k_index.tolist() == [
+        0, 1, 4, 5, 6, 7,
+    ]  # fmt: skip
+    # GraphInputs refills the same boundary tensor in place: the plan must follow the new values
+    # (the old cache keyed on the tensor's identity alone returned the stale plan here)
+    cu.copy_(torch.tensor([0, 4, 8], dtype=torch.int32))
+    refilled = plan_for(Documents.from_params(params, total=4), **kwargs)
+    assert refilled is not first
+    assert refilled.k_index.tolist() == [0, 1, 4, 5, 6, 7]
