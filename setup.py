@@ -27,6 +27,7 @@ setup(
             "jinja2>=3.1",
             "pyarrow>=14",
             "tqdm>=4.60",
+            "nvidia-cudnn-frontend==1.28.0",  # the cudnn backend's graphs are described on CPU too
         ],
         "hf": ["transformers>=4.51", "jinja2>=3.1", "tokenizers>=0.15"],
         "arrow": ["pyarrow>=14"],
@@ -34,6 +35,9 @@ setup(
         "plots": ["matplotlib>=3.7"],
         "flash": ["flash-attn>=2.6"],
         "te": ["transformer-engine[pytorch]>=1.13"],
+        # cuDNN's ragged THD attention (backend "cudnn"); 1.28.0 is the newest release without
+        # required dependencies (1.30+ require nvidia-cutlass-dsl, a 92 MB wheel)
+        "cudnn": ["nvidia-cudnn-frontend==1.28.0"],
     },
     entry_points={"console_scripts": ["megapack=megapack.cli:main"]},
 )

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The GPU kit: attention backends vs a float64 reference, packed == padded losses (fp32 and bf16),
 # zero host syncs in delivery + prefetch + a packed fwd+bwd, and the real-size throughput table
-# (0.84B GPT, seq 4096 and 8192, packed vs padded) with its targets. About 3-5 minutes on one GPU.
+# (0.84B GPT, seq 4096 and 8192, packed vs every baseline, interleaved) with its targets.
+# By section: one run of <= 6 minutes measures what a change touched; the whole kit is two runs
+# (`--list` prints the sections, their estimated time and the split).
 #
-#   bash scripts/gpu_check.sh [--out DIR] [--dry-run]
+#   bash scripts/gpu_check.sh [--out DIR] [--dry-run] [--only SECTIONS] [--list] [--backend NAME]
 #
 # Writes DIR/gpu-report.json, DIR/gpu-report.md and DIR/gpu-kit.log (DIR defaults to gpu-out).
 # --dry-run: the same steps on CPU at toy sizes (fp32, gloo), CUDA-only checks skipped; < 1 minute.
+# --only attention,throughput,...: run those sections; --backend: the model's THD attention
+# (default auto); both go to `python -m megapack.bench.gpu.kit`, which checks them.
 # Wheels in .whl/ (bash scripts/gpu_wheels.sh) are installed into /tmp/site first when
 # megatron-core is not importable here (the GPU machine has none; carry .whl with the call).
 # Exit status: 0 when no check failed, 1 when one did (or the kit's process died: the report then
@@ -16,13 +20,19 @@ caller=$PWD
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 out=gpu-out  # in the repository; an --out given is taken from where the script was called
-dry=()
+kit=()  # flags for the kit itself
+list=0
+usage="usage: bash scripts/gpu_check.sh [--out DIR] [--dry-run] [--only SECTIONS] [--list] [--backend NAME]"
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) [ $# -ge 2 ] || { echo "gpu_check: --out needs a folder" >&2; exit 2; }
       case "$2" in /*) out=$2 ;; *) out="$caller/$2" ;; esac; shift 2 ;;
-    --dry-run) dry=(--dry-run); shift ;;
-    *) echo "usage: bash scripts/gpu_check.sh [--out DIR] [--dry-run]  (unknown argument: $1)" >&2; exit 2 ;;
+    --dry-run) kit+=(--dry-run); shift ;;
+    --list) list=1; shift ;;
+    --only|--backend) [ $# -ge 2 ] || { echo "gpu_check: $1 needs a value" >&2; exit 2; }
+      kit+=("$1" "$2"); shift 2 ;;
+    --only=*|--backend=*) kit+=("$1"); shift ;;
+    *) echo "$usage  (unknown argument: $1)" >&2; exit 2 ;;
   esac
 done
 
@@ -33,12 +43,14 @@ if compgen -G ".whl/*.whl" >/dev/null && ! "$PY" -c 'import megatron.core' 2>/de
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [ "$list" = 1 ]; then exec "$PY" -m megapack.bench.gpu.kit --list; fi
 
 mkdir -p "$out"
-"$PY" -m megapack.bench.gpu.kit --out "$out" "${dry[@]}" 2>&1 | tee "$out/gpu-kit.log"
+"$PY" -m megapack.bench.gpu.kit --out "$out" "${kit[@]}" 2>&1 | tee "$out/gpu-kit.log"
 rc=${PIPESTATUS[0]}
 case "$rc" in
   0) exit 0 ;;
+  2) exit 2 ;;  # a usage error: the kit said which
   3) exit 1 ;;  # a check failed; the report is complete
   *)
     echo "gpu_check: the kit's process exited $rc; recording it in $out/gpu-report.json" >&2

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Download into .whl/ (git-ignored) the wheels the GPU machine lacks, for CPython 3.12 manylinux
-# x86_64: megatron-core 0.16.1 and every non-extra requirement of it (its METADATA Requires-Dist,
-# recursively) except what that machine already has (torch, numpy, packaging). Idempotent: wheels
+# x86_64: megatron-core 0.16.1 and nvidia-cudnn-frontend 1.28.0 (the cudnn attention backend), and
+# every non-extra requirement of them (METADATA Requires-Dist, recursively) except what that
+# machine already has (torch, numpy, packaging). Idempotent: wheels
 # already there are kept, wheels no longer wanted are removed (two versions of one package would
 # stop the install). Fails loudly when the wheels, or the wheels plus the working tree that travels
 # with a device call, pass 64 MiB.
@@ -23,7 +24,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-WANT = ["megatron-core==0.16.1"]
+WANT = ["megatron-core==0.16.1", "nvidia-cudnn-frontend==1.28.0"]
 PRESENT = {"torch", "numpy", "packaging"}  # already on the GPU machine (device KINDS.md)
 TARGET = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",

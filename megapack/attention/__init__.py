@@ -1,4 +1,5 @@
-"""Packed (THD) attention: kernels, backend choice, RoPE, CP; imports torch, numpy, megapack.core.cp_share, megapack.core.quiet only.
+"""Packed (THD) attention: kernels, backend choice, RoPE, CP; imports torch, numpy and megapack.core's
+cp_share, quiet, capture, buckets and seq_params only.
 
 Modules:
 

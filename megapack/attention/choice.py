@@ -1,21 +1,39 @@
 """Which attention backend runs where: a pure rule over (device, dtype, training, dropout, installed).
 
     backend       kernel                                   takes
-    flash_attn    flash_attn_varlen_func                   CUDA, float16/bfloat16, dropout
     te            Transformer Engine DotProductAttention   CUDA, float16/bfloat16, dropout
+    cudnn         cuDNN's ragged fused attention           CUDA sm90+, float16/bfloat16, cuDNN >= 9.6,
+                  (`megapack.attention.cudnn`)             nvidia-cudnn-frontend
+    bucketed      SDPA over length buckets                 anywhere, any dtype, dropout (on CUDA
+                  (`megapack.attention.bucketed`)          ``auto`` needs the plan delivered)
+    flash_attn    flash_attn_varlen_func                   CUDA, float16/bfloat16, dropout
     torch_varlen  torch.nn.attention.varlen.varlen_attn    CUDA, float16/bfloat16 (FlashAttention 2)
     flex          compiled flex_attention + block mask     CUDA; CPU forward only (no CPU backward)
     sdpa          scaled_dot_product_attention per doc     anywhere, any dtype: the reference
 
-``backend="auto"`` (`choose`): on CUDA with float16/bfloat16 the first of flash_attn, te,
-torch_varlen, flex, sdpa that is installed and takes the dropout; on CUDA with any other dtype
-(float32) flex, else sdpa, since every FlashAttention-based kernel refuses it; anywhere else sdpa
-(flex's CPU forward compiles for seconds per row length and has no backward). It never picks a
-kernel that refuses the inputs, and `choose_backend` logs the choice once per (device, dtype,
-training, dropout) on the ``megapack.attention`` logger with the reasons, e.g.::
+``backend="auto"`` (`choose`) takes the first backend of `preference` that is installed and takes
+the inputs:
+
+    CUDA sm90+, float16/bfloat16   te, cudnn, bucketed, flash_attn, torch_varlen, flex, sdpa
+    other CUDA, float16/bfloat16   flash_attn, te, torch_varlen, flex, bucketed, sdpa
+    CUDA float32                   flex, bucketed, sdpa (FlashAttention-based kernels refuse it)
+    anywhere else (CPU)            bucketed, sdpa (flex's CPU forward compiles for seconds per row
+                                   length and has no backward)
+
+On Hopper cuDNN's sm90 kernels run about 2x torch varlen's FlashAttention 2 per FLOP (measured on
+an H200, torch 2.11): te and cudnn reach them for THD directly, bucketed through dense SDPA calls
+(which pick them), at the cost of padding each document to its length class. flash_attn is FA2,
+no faster there than torch varlen. On CUDA, ``auto`` takes bucketed only when the batch brought its
+plan (``fields=megapack.BUCKET_FIELDS``): without it every micro-batch would read its boundaries on
+the host (a device sync). It never picks a kernel that refuses the inputs, and `choose_backend`
+logs the choice once per (device, dtype, training, dropout) on the ``megapack.attention`` logger
+with the reasons, e.g.::
 
     attention backend torch_varlen for cuda bfloat16 training (flash_attn not installed, te not
     installed; varlen_attn without enable_gqa: K/V heads repeated)
+
+A cuDNN graph that cannot be built for a shape (`megapack.attention.cudnn.CudnnUnavailable`) is
+found only when it runs: `fallback` names the next backend, and the reason is logged once.
 
 An explicit backend that cannot take the inputs is a ValueError naming the backend, device, dtype,
 why, and the fix (`resolve_backend`). What is installed is found once (`Installed.find`); tests pass
@@ -33,11 +51,17 @@ import torch
 
 from megapack.attention.varlen import VarlenForm, form_of, installed_varlen
 
-BACKENDS = ("flash_attn", "te", "torch_varlen", "flex", "sdpa")
-"""Every backend, in ``auto``'s order of preference on CUDA with float16/bfloat16."""
+BACKENDS = ("te", "cudnn", "bucketed", "flash_attn", "torch_varlen", "flex", "sdpa")
+"""Every backend, in ``auto``'s order of preference on CUDA sm90+ with float16/bfloat16."""
+NO_CONTEXT_PARALLEL = frozenset({"cudnn", "bucketed"})
+"""Backends without a context-parallel path (``auto`` under CP skips them)."""
 HALF = (torch.float16, torch.bfloat16)
 """The dtypes FlashAttention-based kernels take."""
-_NO_DROPOUT = frozenset({"torch_varlen", "flex"})
+_NO_DROPOUT = frozenset({"torch_varlen", "flex", "cudnn"})
+_HALF_ONLY = frozenset({"te", "cudnn", "flash_attn", "torch_varlen"})
+_CUDA_ONLY = frozenset({"te", "cudnn", "flash_attn", "torch_varlen"})
+MIN_CUDNN = 90600
+"""cuDNN 9.6 (int64 ragged offsets): the oldest the cudnn backend takes."""
 
 logger = logging.getLogger("megapack.attention")
 
@@ -56,18 +80,55 @@ class Installed:
     """The form of torch's ``varlen_attn`` (`megapack.attention.varlen`), None without one."""
     flex: bool
     """torch has ``flex_attention`` (torch >= 2.5)."""
+    cudnn_frontend: bool = False
+    """nvidia-cudnn-frontend (``import cudnn``) is importable."""
+    cudnn_version: int | None = None
+    """The cuDNN library's version (9.19.0: 91900), None without cuDNN."""
+    sm: int | None = None
+    """The current CUDA device's compute capability (9.0: 90), None without CUDA."""
 
     @classmethod
     def find(cls) -> Installed:
-        """This process's `Installed` (looks for modules; imports none of the optional packages)."""
+        """This process's `Installed` (looks for modules; imports none of the optional packages
+        but torch's own cuDNN version query)."""
         fn = installed_varlen()
+        cuda = torch.cuda.is_available()
+        sm = None
+        if cuda:
+            major, minor = torch.cuda.get_device_capability()
+            sm = 10 * major + minor
+        version = (
+            torch.backends.cudnn.version() if cuda and torch.backends.cudnn.is_available() else None
+        )
         return cls(
-            cuda=torch.cuda.is_available(),
+            cuda=cuda,
             flash_attn=_has_module("flash_attn"),
             te=_has_module("transformer_engine"),
             varlen=None if fn is None else form_of(fn),
             flex=_has_module("torch.nn.attention.flex_attention"),
+            cudnn_frontend=_has_module("cudnn"),
+            cudnn_version=None if version is None else int(version),
+            sm=sm,
         )
+
+
+def preference(device_type: str, dtype: torch.dtype, installed: Installed) -> tuple[str, ...]:
+    """``auto``'s order of backends for these inputs (module docstring).
+
+    Example:
+        >>> have = Installed(cuda=True, flash_attn=False, te=False, varlen=None, flex=True, sm=90)
+        >>> preference("cuda", torch.bfloat16, have)[:3]
+        ('te', 'cudnn', 'bucketed')
+        >>> preference("cpu", torch.float32, have)
+        ('bucketed', 'sdpa')
+    """
+    if device_type != "cuda":
+        return ("bucketed", "sdpa")
+    if dtype not in HALF:
+        return ("flex", "bucketed", "sdpa")
+    if installed.sm is not None and installed.sm >= 90:
+        return BACKENDS
+    return ("flash_attn", "te", "torch_varlen", "flex", "bucketed", "sdpa")
 
 
 def refusal(
@@ -88,7 +149,7 @@ def refusal(
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS} or 'auto'")
-    if name == "sdpa":
+    if name in ("sdpa", "bucketed"):
         return None
     cuda = device_type == "cuda"
     if name == "flex":
@@ -100,23 +161,50 @@ def refusal(
             return "flex_attention has no backward on CPU in torch (forward only)"
     elif not cuda or not installed.cuda:
         return f"{name} runs on CUDA only"
-    elif name == "flash_attn" and not installed.flash_attn:
-        return "flash-attn is not installed (pip install flash-attn)"
-    elif name == "te" and not installed.te:
-        return "Transformer Engine is not installed"
-    elif name == "torch_varlen" and installed.varlen is None:
-        return "this torch has no usable torch.nn.attention.varlen.varlen_attn (torch >= 2.10)"
-    elif dtype not in HALF:
-        return f"{name} is FlashAttention-based and takes float16/bfloat16 only"
+    why = _missing(name, installed)
+    if why is not None:
+        return why
+    if name in _HALF_ONLY and dtype not in HALF:
+        kind = "cuDNN's fused attention" if name == "cudnn" else "FlashAttention-based"
+        return f"{name} is {kind} and takes float16/bfloat16 only"
     if dropout > 0.0 and name in _NO_DROPOUT:
         return f"{name} has no attention dropout"
     return None
 
 
+def _missing(name: str, installed: Installed) -> str | None:
+    """Why a CUDA-only backend is not installed or not usable on this GPU, or None."""
+    if name == "flash_attn" and not installed.flash_attn:
+        return "flash-attn is not installed (pip install flash-attn)"
+    if name == "te" and not installed.te:
+        return "Transformer Engine is not installed"
+    if name == "torch_varlen" and installed.varlen is None:
+        return "this torch has no usable torch.nn.attention.varlen.varlen_attn (torch >= 2.10)"
+    if name != "cudnn":
+        return None
+    if not installed.cudnn_frontend:
+        return "nvidia-cudnn-frontend is not installed (pip install 'megapack[cudnn]')"
+    if installed.sm is None or installed.sm < 90:
+        return f"cuDNN's ragged (THD) attention needs sm90 or newer, this GPU is sm{installed.sm}"
+    if installed.cudnn_version is None or installed.cudnn_version < MIN_CUDNN:
+        return f"cuDNN {installed.cudnn_version} is older than 9.6 (int64 ragged offsets)"
+    return None
+
+
 def choose(
-    device_type: str, dtype: torch.dtype, *, training: bool, dropout: float, installed: Installed
+    device_type: str,
+    dtype: torch.dtype,
+    *,
+    training: bool,
+    dropout: float,
+    installed: Installed,
+    planned: bool = False,
+    excluded: frozenset[str] = frozenset(),
 ) -> tuple[str, str]:
     """(backend, reasons) that ``auto`` picks: a pure function of its arguments.
+
+    ``planned``: the batch brought its bucket plan (on CUDA ``bucketed`` needs it); ``excluded``:
+    backends found unable to run these inputs (`fallback`).
 
     Example:
         >>> have = Installed(cuda=True, flash_attn=False, te=False, flex=True,
@@ -126,43 +214,75 @@ def choose(
         >>> choose("cuda", torch.float32, training=True, dropout=0.0, installed=have)[0]
         'flex'
     """
-    if device_type != "cuda":
-        return "sdpa", f"{device_type}: the per-document reference"
-    order = BACKENDS if dtype in HALF else ("flex", "sdpa")
     skipped: list[str] = []
-    for name in order:
+    for name in preference(device_type, dtype, installed):
         why = refusal(
             name, device_type, dtype, training=training, dropout=dropout, installed=installed
         )
+        if why is None and name in excluded:
+            why = "cannot run these inputs"
+        if why is None and name == "bucketed" and device_type == "cuda" and not planned:
+            why = "no bucket plan delivered (fields=megapack.BUCKET_FIELDS)"
         if why is None:
             reasons = ", ".join(skipped)
             if name == "torch_varlen" and installed.varlen is not None:
                 notes = installed.varlen.describe()
                 reasons = f"{reasons}; {notes}" if notes else reasons
-            if dtype not in HALF:
+            if device_type != "cuda":
+                reasons = f"{device_type}: " + (
+                    "dense SDPA per length bucket" if name == "bucketed" else "the reference"
+                )
+            elif dtype not in HALF:
                 reasons = f"{_name(dtype)}: FlashAttention kernels take float16/bfloat16 only" + (
                     f"; {reasons}" if reasons else ""
                 )
             return name, reasons
         skipped.append(_short(name, why))
-    raise AssertionError("sdpa takes every input")  # unreachable: sdpa never refuses
+    return "sdpa", ", ".join(skipped)  # everything else excluded: the reference takes anything
 
 
 def choose_backend(
-    device: torch.device | str, dtype: torch.dtype, *, training: bool, dropout: float = 0.0
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    training: bool,
+    dropout: float = 0.0,
+    planned: bool = False,
+    excluded: frozenset[str] = frozenset(),
 ) -> str:
-    """The backend ``backend="auto"`` runs here for ``dtype`` tensors on ``device`` (logged once).
+    """The backend ``backend="auto"`` runs here for ``dtype`` tensors on ``device`` (logged once);
+    never one of ``excluded`` or of the backends that failed here (`fallback`).
 
     Example:
         >>> choose_backend("cpu", torch.float32, training=True)
-        'sdpa'
+        'bucketed'
     """
     device_type = torch.device(device).type
     name, why = choose(
-        device_type, dtype, training=training, dropout=dropout, installed=_installed()
+        device_type,
+        dtype,
+        training=training,
+        dropout=dropout,
+        installed=_installed(),
+        planned=planned,
+        excluded=excluded | frozenset(_failed),
     )
     _log_choice(name, device_type, dtype, training, dropout, why)
     return name
+
+
+_failed: dict[str, str] = {}
+"""Backends that failed at run time in this process (`fallback`), with the reason."""
+
+
+def fallback(failed: str, reason: str, device: torch.device | str, dtype: torch.dtype, *,
+             training: bool, dropout: float = 0.0, planned: bool = False) -> str:  # fmt: skip
+    """The backend ``auto`` runs instead of ``failed``, which could not run (``reason``, logged
+    once); ``failed`` is not chosen again in this process."""
+    if failed not in _failed:
+        _failed[failed] = reason
+        logger.warning("attention backend %s cannot run here, falling back: %s", failed, reason)
+    return choose_backend(device, dtype, training=training, dropout=dropout, planned=planned)
 
 
 def resolve_backend(
@@ -172,10 +292,11 @@ def resolve_backend(
     training: bool,
     dropout: float = 0.0,
     dtype: torch.dtype = torch.float32,
+    planned: bool = False,
 ) -> str:
     """The backend to run: ``backend`` itself when it takes the inputs, else a ValueError; 'auto' chooses."""
     if backend == "auto":
-        return choose_backend(device, dtype, training=training, dropout=dropout)
+        return choose_backend(device, dtype, training=training, dropout=dropout, planned=planned)
     device_type = torch.device(device).type
     why = refusal(
         backend, device_type, dtype, training=training, dropout=dropout, installed=_installed()
@@ -233,7 +354,7 @@ def _log_choice(
 
 
 def _short(name: str, why: str) -> str:
-    if why.endswith("is not installed (pip install flash-attn)") or why.endswith("not installed"):
+    if "not installed" in why:
         return f"{name} not installed"
     return f"{name}: {why}"
 

@@ -2,17 +2,24 @@
 
 Each kernel attends causally within every buffer segment of `Documents` and writes zeros at
 alignment-padding positions. `KERNELS` maps backend names to them (Transformer Engine lives in
-`megapack.attention.te`, flex in `megapack.attention.flex`, torch's varlen_attn forms in
-`megapack.attention.varlen`). ``sbhd_attention`` serves padded [s, b] batches.
+`megapack.attention.te`, cuDNN's ragged graphs in `megapack.attention.cudnn`, the length buckets
+in `megapack.attention.bucketed`, flex in `megapack.attention.flex`, torch's varlen_attn forms in
+`megapack.attention.varlen`); `attend` runs one and falls back where ``auto`` chose a cuDNN graph
+that cannot be built. ``sbhd_attention`` serves padded [s, b] batches.
 
 Shapes: q [T, h, d], k/v [T, g, d] -> [T, h, d] (h query heads, g key/value groups, g divides h).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from megapack.attention.bucketed import bucketed_attention
+from megapack.attention.choice import fallback
+from megapack.attention.cudnn import CudnnUnavailable, cudnn_attention
 from megapack.attention.documents import Documents, zero_padding
 from megapack.attention.flex import flex_attention_thd
 from megapack.attention.varlen import call_varlen
@@ -80,13 +87,43 @@ def flash_attn_attention(
     return zero_padding(out, docs)
 
 
-KERNELS = {
+KERNELS: dict[str, Callable[..., torch.Tensor]] = {
     "sdpa": sdpa_attention,
+    "bucketed": bucketed_attention,
+    "cudnn": cudnn_attention,
     "flex": flex_attention_thd,
     "torch_varlen": varlen_attention,
     "flash_attn": flash_attn_attention,
 }
 """Single-row kernels by backend name (Transformer Engine: `megapack.attention.te`)."""
+
+
+def attend(
+    name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    docs: Documents,
+    scale: float,
+    dropout: float,
+    *,
+    auto: bool,
+    training: bool,
+) -> tuple[str, torch.Tensor]:
+    """(the backend that ran, its output): ``KERNELS[name]``, or, where ``auto`` chose cudnn and
+    cuDNN cannot build or run its graph here, the next backend ``auto`` prefers (logged once).
+
+    Raises:
+        ValueError: an explicit ``backend="cudnn"`` that cuDNN cannot run, with cuDNN's reason.
+    """
+    try:
+        return name, KERNELS[name](q, k, v, docs, scale, dropout)
+    except CudnnUnavailable as exc:
+        if not auto:
+            raise ValueError(f"attention backend 'cudnn' cannot run here: {exc}") from exc
+        name = fallback("cudnn", str(exc), q.device, q.dtype, training=training,
+                        dropout=dropout, planned=docs.buckets is not None)  # fmt: skip
+        return name, KERNELS[name](q, k, v, docs, scale, dropout)
 
 
 def sbhd_attention(

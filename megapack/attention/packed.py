@@ -30,11 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapack.attention.choice import BACKENDS, resolve_backend
+from megapack.attention.choice import BACKENDS, NO_CONTEXT_PARALLEL, choose_backend, resolve_backend
 from megapack.attention.cp_attention import cp_attention, sbhd_cp_attention
 from megapack.attention.cp_plan import plan_for
 from megapack.attention.documents import Documents
-from megapack.attention.kernels import KERNELS, sbhd_attention
+from megapack.attention.kernels import attend, sbhd_attention
 from megapack.attention.rope import RopeTables, apply_rope, handed_over
 from megapack.attention.te import te_attention
 from megapack.core.cp_share import CP_LAYOUTS, CpLayout
@@ -158,12 +158,16 @@ class PackedAttention(torch.nn.Module):
         needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
         docs = Documents.from_params(packed_seq_params, total=query.shape[0])
         choice = ("backend", self.backend, query.device, needs_grad, dropout, query.dtype)
-        name = docs.memo.get(
-            choice
-        )  # resolved by the micro-batch's first layer, reused by the rest
+        # resolved by the micro-batch's first layer, reused by the rest
+        name = docs.memo.get(choice)
         if name is None:
             name = docs.memo[choice] = resolve_backend(
-                self.backend, query.device, training=needs_grad, dropout=dropout, dtype=query.dtype
+                self.backend,
+                query.device,
+                training=needs_grad,
+                dropout=dropout,
+                dtype=query.dtype,
+                planned=docs.buckets is not None,
             )
         rope = handed_over(packed_seq_params) if self.rotary else None
         if group is not None:
@@ -183,7 +187,9 @@ class PackedAttention(torch.nn.Module):
                 training=self.training,
             )
         else:
-            out = KERNELS[name](query, key, value, docs, self.softmax_scale, dropout)
+            ran, out = attend(name, query, key, value, docs, self.softmax_scale, dropout,
+                              auto=self.backend == "auto", training=needs_grad)  # fmt: skip
+            docs.memo[choice] = ran  # a cuDNN graph that could not be built: the next layers too
         return out.reshape(query.shape[0], -1)
 
     def context_parallel_group(self, params: Any) -> Any:
@@ -209,15 +215,22 @@ class PackedAttention(torch.nn.Module):
         dropout: float,
     ) -> torch.Tensor:
         """THD attention of this CP rank's share (see `megapack.attention.cp_attention`)."""
+        if name in NO_CONTEXT_PARALLEL:
+            if self.backend != "auto":
+                raise ValueError(
+                    f"attention backend {name!r} has no context-parallel path; with "
+                    f"context_parallel_size > 1 use 'te' (cuDNN with its own CP), 'torch_varlen', "
+                    "'flash_attn', 'flex' or 'sdpa', or backend='auto'"
+                )
+            name = choose_backend(q.device, q.dtype, training=q.requires_grad or k.requires_grad,
+                                  dropout=dropout, excluded=NO_CONTEXT_PARALLEL)  # fmt: skip
         if name == "te" and self.cp_layout != "document":
             raise ValueError(
                 f"Transformer Engine's THD context parallelism needs cp_layout='document', got "
                 f"{self.cp_layout!r}; use another backend for the row layout"
             )
         plan = plan_for(
-            params,
-            docs.cu_buffer,
-            docs.cu_real,
+            docs,
             cp_size=dist.get_world_size(group),
             cp_rank=dist.get_rank(group),
             layout=self.cp_layout,

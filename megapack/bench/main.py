@@ -58,12 +58,12 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "transfer_repeats": 30 if quick else 200,
         "transfer_warmup": 5 if quick else 20,
         "throughput_seq_len": 512 if quick else 1024,
-        # quick: 32 documents in micro-batches of 4 give the full run's slot ratios (1.14, 1.75, 8.00);
-        # 24 in micro-batches of 8 left packed micro-batches mostly filler, so padding "won"
-        "throughput_docs": 32 if quick else 64,
-        "throughput_rows": 4
-        if quick
-        else 8,  # micro-batch size in rows (packed) or documents (padded), as Megatron counts it
+        # a step: a window of packed micro-batches from a plan over a pool of documents
+        # (megapack.bench.layouts.plan_step), every mode over the window's documents
+        "throughput_pool": 2_000,
+        "throughput_micro_batches": 4,
+        # micro-batch size in rows (packed) or documents (padded), as Megatron counts it
+        "throughput_rows": 4 if quick else 8,
         "throughput_steps": 2 if quick else 5,  # timed steps per mode: the ratios' min, median, max
         "throughput_warmup": 1,
         "best_time_limit_s": 1.0 if quick else 10.0,
@@ -128,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
             from megapack.bench.throughput import run_throughput
 
             _step(f"throughput tp={args.tp} pp={args.pp}", rank0)
-            data = throughput_datasets(lengths, cfg["throughput_seq_len"], cfg["throughput_docs"])
+            data = throughput_datasets(lengths, cfg["throughput_seq_len"], cfg["throughput_pool"])
             results["throughput"] = runner.run(
                 run_throughput,
                 args.tp * args.pp,
@@ -137,6 +137,7 @@ def main(args: argparse.Namespace) -> int:
                 data,
                 cfg["throughput_seq_len"],
                 cfg["throughput_rows"],
+                cfg["throughput_micro_batches"],
                 cfg["throughput_steps"],
                 cfg["throughput_warmup"],
             )

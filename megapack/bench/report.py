@@ -97,7 +97,8 @@ def _transfer(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
 
 def throughput_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
     """Packing against each baseline of `megapack.bench.layouts`, the GPU kit's columns on CPU
-    (`megapack.bench.baselines.summarize`); no target on CPU times."""
+    (`megapack.bench.baselines.summarize`), then how each step was laid out and timed and which
+    attention backend packing trained with; no target on CPU times."""
     from megapack.bench.baselines import summarize
 
     body = []
@@ -115,6 +116,7 @@ def throughput_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> st
                 ratio,
                 _fmt(e["slot_ratio"], "{:.2f}"),
                 _fmt(e["flop_ideal"], "{:.2f}"),
+                _fmt(e["executed_ratio"], "{:.2f}"),
                 _fmt(_giga(e["packed_tflops"]), "{:.2f}"),
                 _fmt(_giga(e["baseline_tflops"]), "{:.2f}"),
             ]
@@ -127,12 +129,53 @@ def throughput_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> st
         "ratio [min, max]",
         "slot ratio",
         "FLOP ideal",
+        "packed / baseline GFLOP/s",
         "packed GFLOP/s",
         "baseline GFLOP/s",
     ]
+    notes = [_steps_note(rows, settings), *_attention_notes(rows)]
+    return _table(head, body) + "".join(f"\n\n{n}" for n in notes if n)
+
+
+def _steps_note(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
     steps = settings.get("throughput_steps")
-    note = f"\n\nRatios: the median of {steps} timed steps [min, max]." if steps else ""
-    return _table(head, body) + note
+    if not steps:
+        return ""
+    note = (
+        f"Ratios: the median of {steps} timed steps [min, max], the modes interleaved step by step."
+    )
+    layouts = []
+    for r in rows:
+        if r.get("mode") == "packed" and "pool" in r:
+            layouts.append(
+                f"{r['dataset']}: {r['micro_batches']} packed micro-batches ({r['documents']} "
+                f"documents, {r['fill']:.1%} full) from a plan over {r['pool']:,}"
+            )
+    sampled = sorted(
+        {
+            f"{r['dataset']} {r['mode']} {r['timed_micro_batches']} of {r['micro_batches']}"
+            for r in rows
+            if r.get("timed_micro_batches", r.get("micro_batches")) != r.get("micro_batches")
+        }
+    )
+    if layouts:
+        note += " A step: " + "; ".join(layouts) + ", every mode over the same documents."
+    if sampled:
+        note += " Timed on their first micro-batches: " + ", ".join(sampled) + "."
+    return note
+
+
+def _attention_notes(rows: list[dict[str, Any]]) -> list[str]:
+    chosen = [
+        f"{r['dataset']}: {r['attention']}, {r['attention_choice']}"
+        for r in rows
+        if r.get("mode") == "packed" and "attention_choice" in r
+    ]
+    if not chosen:
+        return []
+    return [
+        "Attention of packed rows and the ceiling (padded rows run dense): " + "; ".join(chosen)
+    ]
 
 
 def _giga(tflops: float | None) -> float | None:
@@ -197,6 +240,16 @@ def to_json(results: dict[str, Any]) -> dict[str, Any]:
             "tokens",
             "useful_flops",
             "executed_flops",
+            "timed_tokens",
+            "timed_useful_flops",
+            "timed_executed_flops",
+            "timed_micro_batches",
+            "micro_batches",
+            "documents",
+            "pool",
+            "fill",
+            "attention",
+            "attention_choice",
         ),
         "packing": (
             "dataset",

@@ -2,11 +2,17 @@
 
 Runs on every rank of a tp x pp grid (megatron-core ``parallel_state``), training megapack's tiny
 GPT (`megapack.harness.gpt.TinyGPT`, `packed_gpt_layer_spec`) through megatron-core's schedule with
-batches from `megapack.get_batch_on_this_tp_rank`. One step = one schedule call over the same
-documents in every mode of `megapack.bench.layouts` (packed; padded to seq; length-grouped padding
-with a token budget; the ceiling of unbroken rows; the weak "padded to the longest"), the modes and
-columns of the GPU kit (`megapack.bench.baselines`): the ratios' median, min and max over the timed
-steps, the slot ratio, the executed-FLOP ideal and executed GFLOP/s. No target on CPU times.
+batches from `megapack.get_batch_on_this_tp_rank`. A step is a window of a plan over a pool of
+documents (`megapack.bench.layouts.plan_step`), laid out in every mode of `megapack.bench.layouts`
+(packed; padded to seq; length-grouped with the step sorted once and packing's token budget; the
+ceiling of one document per row on packing's THD path; the weak "padded to the longest"), the
+modes timed step by step in turn (`megapack.bench.baselines.interleave`), summarized with the GPU
+kit's columns (`megapack.bench.baselines.summarize`). No target on CPU times.
+
+Packing's attention backend on CPU (`choose_cpu_backend`): each candidate, ``sdpa`` and, where
+`megapack.attention` has it and it trains on CPU, ``bucketed``, runs one packed step after one
+warm-up; the faster trains packed and the ceiling, and the report says which and why. Padded
+modes have no boundaries: they run dense attention whatever the backend.
 """
 
 from __future__ import annotations
@@ -14,18 +20,30 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megapack.bench.baselines import interleave
 from megapack.bench.gpu.model import GptShape
-from megapack.bench.layouts import MODES, layout_cost, micro_batches
+from megapack.bench.layouts import (
+    MODES,
+    layout_cost,
+    micro_batches,
+    plan_step,
+    schedule_shape,
+    timed,
+    timed_lengths,
+)
 from megapack.harness.gpt import TinyGPT, forward_step, init_weights
 
 HIDDEN, HEADS, GROUPS, VOCAB = 64, 4, 2, 256
 """The tiny GPT's sizes (its FFN is megatron-core's default 4 x hidden, ungated)."""
+CPU_CANDIDATES = ("sdpa", "bucketed")
+"""The attention backends packing may train with on CPU, the reference first."""
 
 
 def run_throughput(
@@ -34,16 +52,23 @@ def run_throughput(
     datasets: dict[str, list[int]],
     seq_len: int,
     rows: int,
+    micro_batches_per_step: int,
     steps: int,
     warmup: int,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """On every rank of a tp x pp world: one row per (dataset, mode), every timed step's seconds
-    (the slowest rank's), the FLOPs and slots (`megapack.bench.baselines` summarizes them)."""
+    (the slowest rank's), the FLOPs and slots (`megapack.bench.baselines` summarizes them).
+
+    ``datasets``: each a pool of document lengths; a step is ``micro_batches_per_step`` packed
+    micro-batches of ``rows`` rows from a plan over the pool (`megapack.bench.layouts.plan_step`).
+    """
     from megapack.core.quiet import quiet_megatron
 
     with quiet_megatron():  # megatron's known-harmless warnings, at import and while training
-        return _run_throughput(tp, pp, datasets, seq_len, rows, steps, warmup, seed)
+        return _run_throughput(
+            tp, pp, datasets, seq_len, rows, micro_batches_per_step, steps, warmup, seed
+        )
 
 
 def _run_throughput(
@@ -52,6 +77,7 @@ def _run_throughput(
     datasets: dict[str, list[int]],
     seq_len: int,
     rows: int,
+    window: int,
     steps: int,
     warmup: int,
     seed: int,
@@ -93,52 +119,118 @@ def _run_throughput(
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     topology = Topology.from_parallel_state()
     schedule = get_forward_backward_func()
+
+    def one_step(batches: list[Any]) -> float:
+        """One training step on every rank; the slowest rank's seconds."""
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        size, width = schedule_shape(batches[0])
+        schedule(
+            forward_step_func=functools.partial(forward_step, topology),
+            data_iterator=iter(batches) if topology.is_source else None,
+            model=[model],
+            num_microbatches=len(batches),
+            seq_length=width,
+            micro_batch_size=size,
+            forward_only=False,
+        )
+        optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed.item())
+
     results: list[dict[str, Any]] = []
-    for name, lengths in datasets.items():
+    for name, pool in datasets.items():
+        step = plan_step(pool, seq_len, rows, window, seed=seed)
         rng = np.random.default_rng(seed)
-        docs = [rng.integers(1, gpt.vocab_size, n) for n in lengths]
-        for mode in MODES:
-            batches = micro_batches(mode, docs, seq_len, rows, seed=seed)
-            cost = layout_cost(batches)
-            plain = batches[0] if mode != "packed" else None
-            times = []
-            for step in range(warmup + steps):
-                dist.barrier()
-                start = time.perf_counter()
-                optimizer.zero_grad()
-                schedule(
-                    forward_step_func=functools.partial(forward_step, topology),
-                    data_iterator=iter(batches) if topology.is_source else None,
-                    model=[model],
-                    num_microbatches=len(batches),
-                    seq_length=rows * seq_len if plain is None else int(plain["tokens"].shape[1]),
-                    micro_batch_size=1 if plain is None else int(plain["tokens"].shape[0]),
-                    forward_only=False,
-                )
-                optimizer.step()
-                if cuda:
-                    torch.cuda.synchronize()
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                if step >= warmup:
-                    times.append(elapsed.item())
-            step_s = statistics.median(times)
+        docs = [rng.integers(1, gpt.vocab_size, n) for n in step.lengths]
+        layouts = {m: micro_batches(m, docs, seq_len, rows, packing=step.packing) for m in MODES}
+        backend, why = choose_cpu_backend(model, functools.partial(one_step, layouts["packed"]))
+        runs = {m: functools.partial(one_step, timed(m, b, window)) for m, b in layouts.items()}
+        times, _ = interleave(runs, warmup=warmup, steps=steps, catch=False)
+        for mode, batches in layouts.items():
+            ran = timed(mode, batches, window)
+            ran_lengths = timed_lengths(mode, step.lengths, rows, window)
+            step_s = statistics.median(times[mode])
+            tokens, slots = sum(step.lengths), layout_cost(batches).slots
+            thd = mode in ("packed", "ceiling")
             results.append(
                 {
                     "config": name,
                     "dataset": name,
                     "mode": mode,
                     "status": "ok",
-                    "step_times": times,
+                    "step_times": times[mode],
                     "step_s": step_s,
-                    "tokens": sum(lengths),
-                    "tokens_per_s": sum(lengths) / step_s,
-                    "slots": cost.slots,
-                    "efficiency": sum(lengths) / cost.slots,
-                    "useful_flops": shape.training_flops(lengths),
-                    "executed_flops": cost.executed_flops(shape),
+                    "tokens": tokens,
+                    "tokens_per_s": sum(ran_lengths) / step_s,
+                    "slots": slots,
+                    "efficiency": tokens / slots,
+                    "useful_flops": shape.training_flops(step.lengths),
+                    "executed_flops": layout_cost(batches).executed_flops(shape),
+                    "timed_tokens": sum(ran_lengths),
+                    "timed_useful_flops": shape.training_flops(ran_lengths),
+                    "timed_executed_flops": layout_cost(ran).executed_flops(shape),
+                    "timed_micro_batches": len(ran),
                     "documents": len(docs),
                     "micro_batches": len(batches),
+                    "pool": step.pool_size,
+                    "fill": step.fill(seq_len),
+                    "attention": backend if thd else "dense (padded rows)",
                 }
+                | ({"attention_choice": why} if mode == "packed" else {})
             )
     return results
+
+
+def cpu_candidates() -> tuple[list[str], str]:
+    """(the CPU backends packing may train with here, why any of `CPU_CANDIDATES` is not one)."""
+    from megapack.attention import BACKENDS, backend_available
+
+    out, missing = [], []
+    for name in CPU_CANDIDATES:
+        if name not in BACKENDS:
+            missing.append(f"{name} is not in megapack.attention.BACKENDS")
+        elif not backend_available(name, "cpu", training=True):
+            missing.append(f"{name} cannot train on CPU here")
+        else:
+            out.append(name)
+    return out, "; ".join(missing)
+
+
+def choose_cpu_backend(model: Any, packed_step: Callable[[], float]) -> tuple[str, str]:
+    """(backend, why): each of `cpu_candidates` set on ``model``'s attention and measured by one
+    ``packed_step`` after one warm-up; the fastest is left set. Every rank gets the same answer
+    (the steps' seconds are the slowest rank's)."""
+    candidates, missing = cpu_candidates()
+    if not candidates:
+        raise RuntimeError(f"no attention backend trains on CPU here: {missing}")
+    if len(candidates) == 1:
+        set_attention_backend(model, candidates[0])
+        return candidates[0], f"the only candidate: {missing}"
+    seconds = {}
+    for name in candidates:
+        set_attention_backend(model, name)
+        packed_step()
+        seconds[name] = packed_step()
+    best = min(seconds, key=lambda n: seconds[n])
+    set_attention_backend(model, best)
+    measured = ", ".join(f"{n} {s:.3f} s" for n, s in seconds.items())
+    return best, f"the faster packed step, one each after a warm-up: {measured}"
+
+
+def set_attention_backend(model: Any, backend: str) -> int:
+    """Set every `megapack.attention.PackedAttention` of ``model`` to ``backend``; how many."""
+    from megapack.attention import BACKENDS, PackedAttention
+
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; choose one of {BACKENDS} or 'auto'")
+    count = 0
+    for module in model.modules():
+        if isinstance(module, PackedAttention):
+            module.backend = backend
+            count += 1
+    return count

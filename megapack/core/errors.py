@@ -71,3 +71,7 @@ class DesyncError(RuntimeError):
 
 class CollectiveError(RuntimeError):
     """A megapack collective timed out or failed (a peer stuck, crashed, or in another collective)."""
+
+
+class CaptureError(RuntimeError):
+    """An operation that reads the device on the host ran inside a CUDA-graph capture."""

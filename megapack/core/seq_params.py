@@ -6,6 +6,9 @@ release defines is filled; `make_packed_seq_params` says which value it cannot p
 
 Example: cu_seqlens ``[0, 3, 5, 9]`` (documents of 3, 2 and 4 tokens), max_seqlen 4 ->
 ``PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4, ...)``.
+
+A delivered bucket plan (`megapack.core.buckets`) rides on the object as ``BUCKETS_ATTR``, where
+megatron-core passes it untouched to every layer's core attention.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ if TYPE_CHECKING:
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
 
+BUCKETS_ATTR = "megapack_buckets"
+"""The attribute of a ``PackedSeqParams`` that holds a delivered bucket plan (a tuple of [n, L])."""
+
 
 def make_packed_seq_params(
     cu_seqlens: torch.Tensor,
@@ -27,6 +33,7 @@ def make_packed_seq_params(
     *,
     cp_group: Any = None,
     local_cp_size: int | None = None,
+    buckets: tuple[torch.Tensor, ...] | None = None,
 ) -> PackedSeqParams:
     """megatron-core ``PackedSeqParams`` in THD format with Python-int maxima.
 
@@ -35,6 +42,7 @@ def make_packed_seq_params(
     release has them, ``cp_group`` (context-parallel group; None without CP) and ``local_cp_size``
     (Megatron's hybrid CP). A release without ``cp_group`` reads it from the model config instead,
     so it is left out; any other value the release has no field for is a ValueError naming it.
+    ``buckets``, a delivered bucket plan, is set as the attribute ``BUCKETS_ATTR``.
     """
     params_class, known = _packed_seq_params_class()
     values: dict[str, Any] = {
@@ -49,14 +57,21 @@ def make_packed_seq_params(
         "local_cp_size": local_cp_size,
     }
     if values.keys() <= known:  # megatron-core >= 0.14 has them all: nothing to probe
-        return params_class(**values)
-    missing = [k for k, v in values.items() if k not in known and v is not None and k != "cp_group"]
-    if missing:
-        raise ValueError(
-            f"this megatron-core's PackedSeqParams has no field {missing[0]!r} (given "
-            f"{values[missing[0]]!r}); upgrade megatron-core (local_cp_size needs hybrid CP support)"
-        )
-    return params_class(**{k: v for k, v in values.items() if k in known})
+        params = params_class(**values)
+    else:
+        missing = [
+            k for k, v in values.items() if k not in known and v is not None and k != "cp_group"
+        ]
+        if missing:
+            raise ValueError(
+                f"this megatron-core's PackedSeqParams has no field {missing[0]!r} (given "
+                f"{values[missing[0]]!r}); upgrade megatron-core (local_cp_size needs hybrid CP "
+                "support)"
+            )
+        params = params_class(**{k: v for k, v in values.items() if k in known})
+    if buckets is not None:
+        setattr(params, BUCKETS_ATTR, buckets)
+    return params
 
 
 def _packed_seq_params_class() -> tuple[type[PackedSeqParams], frozenset[str]]:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from megapack.core.buckets import BUCKET_NAMES
 from megapack.core.errors import ProtocolError
 from megapack.core.fields import MAX_DIMS, Schema, Stage
 from megapack.core.normalize import Batch, Layout
@@ -259,11 +260,15 @@ def decode(
             out[name] = payload[offset : offset + size].view(dtype).view(dims)
         offset += size + (-size % 8)
     if header.layout == Layout.PACKED:
+        buckets = None
+        if BUCKET_NAMES[0] in out:  # declared: the plan travels to the attention on the params
+            buckets = tuple(out[n] for n in BUCKET_NAMES if out[n] is not None)
         out["packed_seq_params"] = make_packed_seq_params(
             out["cu_seqlens"],
             out["cu_seqlens_padded"],
             out["max_seqlen"],
             cp_group=cp_group,
             local_cp_size=out["local_cp_size"],
+            buckets=buckets,
         )
     return out

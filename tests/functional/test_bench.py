@@ -68,8 +68,32 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
         assert r["tokens_per_s"] > 0 and 0 < r["efficiency"] <= 1 and len(r["step_times"]) == 2
         assert r["executed_flops"] >= r["useful_flops"] > 0, r  # padding and spans cost, never save
     packed = {r["dataset"]: r for r in data["throughput"] if r["mode"] == "packed"}
-    for r in data["throughput"]:  # the same documents in every mode
-        assert r["tokens"] == packed[r["dataset"]]["tokens"], r
+    for r in data["throughput"]:  # the same documents in every mode, a window of a plan
+        assert r["tokens"] == packed[r["dataset"]]["tokens"] and r["pool"] == 2000, r
+        full = r["mode"] in (
+            "packed",
+            "grouped",
+            "ceiling",
+        )  # the others: a sample, as many as packed
+        ran = (
+            r["micro_batches"]
+            if full
+            else min(r["micro_batches"], packed[r["dataset"]]["micro_batches"])
+        )
+        assert r["timed_micro_batches"] == ran and (r["timed_tokens"] == r["tokens"]) == (
+            ran == r["micro_batches"]
+        ), r
+        assert r["attention"] in (
+            ("sdpa", "bucketed") if r["mode"] in ("packed", "ceiling") else ("dense (padded rows)",)
+        )
+    for r in packed.values():  # no filler: every packed micro-batch full of rows from a big plan
+        assert r["micro_batches"] == 4 and r["slots"] == 4 * 4 * 512 and r["fill"] > 0.95, r
+        assert r["attention_choice"].startswith(("the faster packed step", "the only candidate")), r
+    assert (
+        "Attention of packed rows and the ceiling (padded rows run dense): openchat: "
+        in done.stdout
+    )
+    assert "the modes interleaved step by step" in done.stdout
     assert "--quick: every size is small" in done.stdout and "Note:" not in done.stdout
     for header in ("| tp | seq_len | megapack |", "| dataset | baseline | packed tokens/s | baseline tokens/s | ratio [min, max] |",
                    "| dataset | algorithm | rows | efficiency | seconds | target |"):  # fmt: skip

@@ -1,5 +1,5 @@
-"""The GPU kit's arithmetic and report, on CPU: FLOPs, layouts and baselines, length mixes, ratios
-with their spread, device peaks, target verdicts, the profile, JSON.
+"""The GPU kit's arithmetic and report, on CPU: FLOPs, length mixes, ratios with their spread,
+device peaks, target verdicts, the profile, JSON (the layouts: test_bench_layouts.py).
 
 The GPU runs themselves are in tests/functional/test_gpu_kit.py (the dry run here, ``gpu``-marked
 tests on a GPU).
@@ -25,8 +25,9 @@ from megapack.bench.gpu.report import (
     markdown,
     record_crash,
 )
-from megapack.bench.gpu.throughput import length_mixes, step_estimate, target_checks
-from megapack.bench.layouts import LABELS, MODES, grouped, layout_cost, micro_batches
+from megapack.bench.gpu.targets import target_checks
+from megapack.bench.gpu.throughput import length_mixes, step_estimate
+from megapack.bench.layouts import LABELS
 
 
 # -- FLOPs ---------------------------------------------------------------------------------------
@@ -68,44 +69,6 @@ def test_length_mixes() -> None:
     small = length_mixes(source, 50, max_len=64, scale=1 / 32)
     assert max(small["openchat"]) <= 64 and min(small["openchat"]) >= 1
     assert max(small["sft-short"]) <= 64
-
-
-# -- the layouts: the same documents, each baseline ---------------------------------------------------
-def test_every_layout_holds_the_same_tokens() -> None:
-    rng = np.random.default_rng(4)
-    docs = [rng.integers(1, 100, n) for n in rng.integers(1, 250, 40)]
-    total = sum(len(d) for d in docs)
-    for mode in MODES:
-        batches = micro_batches(mode, docs, 256, 2)
-        tokens = [b.tokens if hasattr(b, "tokens") else b["tokens"] for b in batches]
-        assert sum(int((t > 0).sum()) for t in tokens) == total, mode  # ids >= 1, padding 0
-        cost = layout_cost(batches)
-        assert cost.slots == sum(t.numel() for t in tokens) and sum(cost.spans) == cost.slots
-        assert cost.executed_flops(TOY) >= TOY.training_flops([len(d) for d in docs]), mode
-    ceiling = layout_cost(micro_batches("ceiling", docs, 256, 2))
-    packed = layout_cost(micro_batches("packed", docs, 256, 2))
-    assert ceiling.slots == packed.slots  # the packed rows, unbroken
-    assert ceiling.executed_flops(TOY) > packed.executed_flops(TOY)  # only attention differs
-
-
-def test_grouped_fills_the_token_budget_padded_to_each_micro_batchs_longest() -> None:
-    rng = np.random.default_rng(5)
-    docs = [rng.integers(1, 100, n) for n in rng.integers(1, 500, 300)]
-    groups = grouped(docs, 512, 2)
-    assert sorted(id(d) for g in groups for d in g) == sorted(id(d) for d in docs)  # each once
-    for g in groups:
-        lengths = [len(d) for d in g]
-        assert lengths == sorted(lengths, reverse=True)  # sorted inside its mega-batch
-        assert len(g) * lengths[0] <= 2 * 512 or len(g) == 1  # within the budget
-    # mega-batches: min(n_micro // 4, 50) packed micro-batches' worth, so a long sort run
-    full = sum(len(g) * len(g[0]) for g in groups)
-    assert full / sum(len(d) for d in docs) < 1.2  # grouping leaves little padding
-    lengths = [[len(d) for d in g] for g in groups]
-    assert [
-        [len(d) for d in g] for g in grouped(docs, 512, 2, seed=1)
-    ] != lengths  # seeded mega-batches
-    with pytest.raises(ValueError, match="mode='padded'"):
-        micro_batches("padded", docs, 512, 2)
 
 
 def test_device_peaks_by_name() -> None:
@@ -158,39 +121,108 @@ def test_summarize_with_spread_and_denominators() -> None:
     assert grouped_entry["ratio"] == pytest.approx(5.5 / 5.0)
 
 
-def sync(*statuses: str) -> list[Check]:
-    return [Check(name=f"sync {i}", status=s, detail="") for i, s in enumerate(statuses)]  # type: ignore[arg-type]
-
-
-def test_targets_met_and_not_met() -> None:
-    # packed faster than grouped, 0.96 of the ceiling's executed rate, MFU 2e15 / 4.5 / 989e12 = 45%
-    met = summarize(
-        rows(packed=[4.5] * 5, ceiling_s=[2.3e15 / (2.1e15 / 4.5 / 0.96)] * 5), peak_flops=989e12
+def test_targets_met_in_every_configuration() -> None:
+    """Packed at 0.98 of grouped's executed rate (ideal 1.05: ratio 1.029), 0.96 of the ceiling's,
+    MFU 2e15 / 4.5 / 989e12 = 44.9% < 45%: the stretch alone fails."""
+    summary = summarize(configs(packed_s=4.5, grouped_s=4.5 * 1.029, ceiling_s=4.5 * 1.04 * 0.96),
+                        peak_flops=989e12)  # fmt: skip
+    checks = target_checks(summary, seq_lens=(4096, 8192), applies=True)
+    assert len(checks) == 4 * 3 + 1
+    assert [c.status for c in checks[:-1]] == ["passed"] * 12, checks
+    assert (
+        checks[0].name
+        == "target: packed / grouped >= 0.97x the executed-FLOP ideal (openchat, seq 4096)"
     )
-    checks = target_checks(met, sync("passed", "passed"), seq_len=4096, applies=True)
-    assert [c.status for c in checks] == ["passed"] * 4, checks
-    just_under = summarize(
-        rows(packed=[5.0] * 5, grouped_s=[4.99] * 5, ceiling_s=[2.3e15 / (2.1e15 / 5.0 / 0.949)] * 5),
-        peak_flops=2.0e15 / 5.0 / 0.399,
-    )  # fmt: skip
-    checks = target_checks(just_under, sync("passed", "failed"), seq_len=4096, applies=True)
-    assert [c.status for c in checks] == ["failed"] * 4, checks
-    assert "median 1.00x" in checks[0].detail and "= 0.949" in checks[1].detail
-    assert "39.9%" in checks[2].detail and "sync 1" in checks[3].detail
-    noisy = summarize(rows(packed=[4.0, 5.0, 6.0]), peak_flops=989e12)
-    assert "NOISY" in target_checks(noisy, [], seq_len=4096, applies=True)[0].detail
+    assert checks[0].detail.startswith("met: 0.980 against >= 0.97 (spread 0%)"), checks[0].detail
+    assert "ideal 1.050" in checks[0].detail and "1.029x [1.029, 1.029]" in checks[1].detail
+    assert checks[2].detail.startswith("met: 0.960 against >= 0.95"), checks[2].detail
+    stretch = checks[-1]
+    assert stretch.name == "target (stretch): packed MFU (bf16 peak) >= 45% (openchat, seq 4096)"
+    assert stretch.status == "failed" and stretch.detail.startswith(
+        "NOT MET: 44.9% against >= 0.45"
+    )
+
+
+def test_targets_not_met_just_under() -> None:
+    summary = summarize(configs(packed_s=5.0, grouped_s=5.0 * 1.05 * 0.969, ceiling_s=5.0 * 1.04 * 0.949),
+                        peak_flops=2.0e15 / 5.0 / 0.451)  # fmt: skip
+    checks = target_checks(summary, seq_lens=(4096,), applies=True)
+    ideal, grouped, ceiling, _, _, _, mfu = checks
+    assert (ideal.status, grouped.status, ceiling.status, mfu.status) == (
+        "failed",
+        "passed",
+        "failed",
+        "passed",
+    )
+    assert ideal.detail.startswith("NOT MET: 0.969 against >= 0.97"), ideal.detail
+    assert ceiling.detail.startswith("NOT MET: 0.949 against >= 0.95"), ceiling.detail
+
+
+def test_a_noisy_target_fails_as_too_noisy_to_judge() -> None:
+    rows = configs(packed_s=4.0, grouped_s=4.4, ceiling_s=4.5)
+    rows[0]["step_times"] = [4.0, 4.0, 3.7, 4.0, 4.2]  # packed: the ratio spreads ~13%
+    summary = summarize(rows, peak_flops=989e12)
+    checks = target_checks(summary, seq_lens=(4096,), applies=True)
+    assert [c.status for c in checks[:3]] == ["failed"] * 3  # every packed/baseline ratio spreads
+    assert all(c.detail.startswith("TOO NOISY TO JUDGE: spread 13% > 10%") for c in checks[:3]), (
+        checks
+    )
+    assert checks[-1].detail.startswith("TOO NOISY TO JUDGE"), checks[
+        -1
+    ]  # MFU: packing's own times
+    steady = summarize(configs(packed_s=4.0, grouped_s=4.4, ceiling_s=4.5), peak_flops=989e12)
+    assert target_checks(steady, seq_lens=(4096,), applies=True)[0].status == "passed"
+
+
+def test_the_grouped_target_applies_where_the_ideal_reaches_1_03() -> None:
+    rows = configs(packed_s=4.0, grouped_s=3.98, ceiling_s=4.5)
+    grouped = next(r for r in rows if r["mode"] == "grouped")
+    grouped["executed_flops"] = 2.1e15 * 1.02  # an ideal of 1.02
+    checks = target_checks(summarize(rows), seq_lens=(4096,), applies=True)
+    assert (
+        checks[0].status == "passed" and "ideal 1.020" in checks[0].detail
+    )  # 0.995 / 1.02 = 0.975
+    assert checks[1].status == "skipped" and checks[1].detail.startswith(
+        "the ideal is 1.020 < 1.03"
+    )
+    grouped["executed_flops"] = 2.1e15 * 1.03
+    checks = target_checks(summarize(rows), seq_lens=(4096,), applies=True)
+    assert checks[1].status == "failed" and checks[1].detail.startswith(
+        "NOT MET: 0.995 against >= 1"
+    )
 
 
 def test_targets_not_measured_or_not_applicable() -> None:
-    checks = target_checks([], [], seq_len=4096, applies=True)
-    assert [c.status for c in checks] == ["failed"] * 4
-    assert all("not measured" in c.detail for c in checks[:3])
-    unknown = target_checks(summarize(rows()), sync("passed"), seq_len=4096, applies=True)
-    assert unknown[2].status == "failed" and "unknown device" in unknown[2].detail
-    skipped = target_checks(
-        summarize(rows()), sync("passed"), seq_len=4096, applies=False, why_not="dry run"
+    checks = target_checks([], seq_lens=(4096, 8192), applies=True)
+    assert [c.status for c in checks] == ["failed"] * 13
+    assert all(c.detail.startswith("not measured") for c in checks), checks
+    unknown = target_checks(summarize(configs(4.0, 4.4, 4.5)), seq_lens=(4096,), applies=True)
+    assert unknown[-1].status == "failed" and "unknown device" in unknown[-1].detail
+    half = [r for r in configs(4.0, 4.4, 4.5) if r["mode"] != "ceiling"]
+    assert target_checks(summarize(half), seq_lens=(4096,), applies=True)[2].detail.startswith(
+        "not measured"
     )
-    assert [(c.status, c.detail) for c in skipped] == [("skipped", "dry run")] * 4
+    skipped = target_checks(summarize(configs(4.0, 4.4, 4.5)), seq_lens=(4096,), applies=False,
+                            why_not="dry run")  # fmt: skip
+    assert [(c.status, c.detail) for c in skipped] == [("skipped", "dry run")] * 7
+
+
+def configs(packed_s: float, grouped_s: float, ceiling_s: float) -> list[dict[str, Any]]:
+    """Every target configuration with the same figures: grouped's executed FLOPs 1.05x packing's,
+    the ceiling's 1.30 / 1.25 = 1.04x."""
+    out = []
+    for seq in (4096, 8192):
+        for mix in ("openchat", "sft-short"):
+            for r in rows(
+                packed=[packed_s] * 5, grouped_s=[grouped_s] * 5, ceiling_s=[ceiling_s] * 5
+            ):
+                r = dict(r, config=f"{mix}, seq {seq}", step_times=list(r["step_times"]))
+                if r["mode"] == "grouped":
+                    r["executed_flops"] = 2.1e15 * 1.05
+                if r["mode"] == "ceiling":
+                    r["executed_flops"] = 2.1e15 * 1.30 / 1.25
+                out.append(r)
+    return out
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -221,8 +253,8 @@ def test_report_json_shape_and_markdown(tmp_path: Path) -> None:
     assert (
         "| attention: sdpa | passed | worst 1e-7 \\| fine |" in text
     )  # a | in a detail is escaped
-    assert ("| openchat, seq 4096 | length-grouped padding, token budget | 20,000 | 18,182 | "
-            "1.10 [1.10, 1.10] | 1.03 | 1.05 | 105% | 420.0 | 400.0 | 40.4% | 52.6% |") in text  # fmt: skip
+    assert ("| openchat, seq 4096 | length-grouped padding, sorted step, token budget | 20,000 | "
+            "18,182 | 1.10 [1.10, 1.10] | 1.03 | 1.05 | 1.050 | 420.0 | 400.0 | 40.4% | 52.6% |") in text  # fmt: skip
     assert (
         "| packed | 13 | 70.0 | 60.5 | megapack 1.0, megatron 9.0, torch 2.0 | aten::mm 20.00 |"
         in text

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 
 from megapack import PackedBatch
 from megapack.attention import packed_attention
-from megapack.bench.gpu.attention_timing import attention_timing, flex_target
+from megapack.bench.gpu.attention_timing import attention_timing, cudnn_target, flex_target
 from megapack.bench.gpu.checks import (
     attention_cases,
     boundaries,
@@ -303,11 +304,27 @@ def test_flex_target_compares_flex_with_varlen_and_skips_without_them() -> None:
 def test_attention_timing_times_every_backend_that_trains_here() -> None:
     checks = attention_timing(torch.device("cpu"), torch.float32, lengths=(5, 1, 9), heads=4,
                               groups=2, head_dim=8, repeats=2, warmup=1)  # fmt: skip
-    timed, target = checks
+    timed, flex, cudnn = checks
     assert timed.status == "info"
     assert timed.name == (
         "attention time: fwd+bwd, one row of 3 documents (15 tokens), 4 heads / 2 groups x 8, float32"
     )
-    assert timed.detail.startswith("median of 2 after 1 untimed: sdpa ")
-    assert timed.detail.endswith(" ms")
-    assert target.status == "skipped"
+    assert re.fullmatch(
+        r"median of 2 after 1 untimed: bucketed [\d.]+ ms, sdpa [\d.]+ ms", timed.detail
+    )
+    assert flex.status == "skipped" and cudnn.status == "skipped"
+    assert cudnn.detail == "cudnn (or te) and torch_varlen cannot train on cpu float32 here"
+
+
+def test_cudnn_target_takes_cudnn_else_te_against_varlen() -> None:
+    row = "one row"
+    ok = cudnn_target({"torch_varlen": 2.0e-3, "cudnn": 1.0e-3, "te": 3e-3}, row, where="cuda")
+    assert (ok.status, ok.detail) == ("passed", "cudnn: 0.50x")
+    assert ok.name == "target: cuDNN THD fwd+bwd <= 0.55x torch_varlen (one row)"
+    slow = cudnn_target({"torch_varlen": 2.0e-3, "te": 1.2e-3}, row, where="cuda")
+    assert (slow.status, slow.detail) == ("failed", "te: 0.60x")
+    none = cudnn_target({"cudnn": 1e-3}, row, where="cuda bfloat16")
+    assert (none.status, none.detail) == (
+        "skipped",
+        "torch_varlen cannot train on cuda bfloat16 here",
+    )

@@ -30,13 +30,30 @@ def test_throughput_table_compares_packing_with_each_baseline() -> None:
     ]  # fmt: skip
     text = markdown(results(throughput=rows))
     # the ratios step by step: 0.15 / 0.10 and 0.12 / 0.12 -> median 1.25 [1.00, 1.50], noisy
-    assert ("| openchat | length-grouped padding, token budget | 9,091 | 7,407 | 1.25 [1.00, 1.50] noisy "
-            "| 1.17 | 1.17 | 54.55 | 51.85 |") in text  # fmt: skip
+    # executed FLOP/s round by round: (6e9 / p) / (7e9 / g) -> 0.857 x 1.25 = 1.07 (median)
+    assert ("| openchat | length-grouped padding, sorted step, token budget | 9,091 | 7,407 | "
+            "1.25 [1.00, 1.50] noisy | 1.17 | 1.17 | 1.07 | 54.55 | 51.85 |") in text  # fmt: skip
     assert (
-        "| openchat | padded to seq | 9,091 | 3,333 | 2.75 [2.50, 3.00] noisy | 4.00 | 3.33 |"
+        "| openchat | padded to seq | 9,091 | 3,333 | 2.75 [2.50, 3.00] noisy | 4.00 | 3.33 | 0.82 |"
         in text
     )
     assert "met" not in text  # no target on CPU times
+    assert "Attention of" not in text  # no backend choice in these rows
+
+
+def test_throughput_notes_say_how_a_step_was_laid_out_and_which_attention_ran() -> None:
+    base = {"dataset": "openchat", "config": "openchat", "status": "ok", "tokens": 1000, "useful_flops": 5e9,
+            "step_times": [0.1], "slots": 1024, "executed_flops": 6e9, "documents": 9, "pool": 2000,
+            "fill": 0.991, "micro_batches": 4, "timed_micro_batches": 4}  # fmt: skip
+    rows = [
+        base | {"mode": "packed", "attention": "bucketed", "attention_choice": "the faster packed step, ..."},
+        base | {"mode": "padded_fixed", "micro_batches": 9, "timed_tokens": 400},
+    ]  # fmt: skip
+    text = throughput_table(rows, {"throughput_steps": 1})
+    assert ("A step: openchat: 4 packed micro-batches (9 documents, 99.1% full) from a plan over "
+            "2,000, every mode over the same documents.") in text  # fmt: skip
+    assert "Timed on their first micro-batches: openchat padded_fixed 4 of 9." in text
+    assert "(padded rows run dense): openchat: bucketed, the faster packed step, ..." in text
 
 
 def test_packing_table_targets() -> None:

@@ -1,8 +1,9 @@
 """backend="auto" as a pure function of (device type, dtype, training, dropout, what is installed).
 
-The rule (megapack.attention.choice): CUDA float16/bfloat16 -> flash_attn > te > torch_varlen >
-flex > sdpa; CUDA float32 -> flex, else sdpa; anything else -> sdpa; never a kernel that refuses the
-inputs. An explicit backend that cannot take them is a ValueError naming backend, device, dtype, why
+The rule (megapack.attention.choice): CUDA float16/bfloat16 below sm90 -> flash_attn > te >
+torch_varlen > flex > bucketed (with a delivered plan) > sdpa (sm90+: tests/unit/test_cudnn.py);
+CUDA float32 -> flex, else bucketed (planned), else sdpa; anything else -> bucketed; never a kernel
+that refuses the inputs. An explicit backend that cannot take them is a ValueError naming backend, device, dtype, why
 and the fix.
 """
 
@@ -16,7 +17,14 @@ import pytest
 import torch
 
 from megapack.attention import choice
-from megapack.attention.choice import BACKENDS, Installed, choose, choose_backend, refusal
+from megapack.attention.choice import (
+    BACKENDS,
+    Installed,
+    choose,
+    choose_backend,
+    preference,
+    refusal,
+)
 from megapack.attention.varlen import VarlenForm
 
 V210 = VarlenForm(causal="is_causal", scale=False, enable_gqa=False)
@@ -32,9 +40,9 @@ def have(**changes: object) -> Installed:
 
 
 CASES = [  # (device, dtype, training, dropout, installed, expected)
-    ("cpu", FP32, True, 0.0, have(flash_attn=True, te=True), "sdpa"),
-    ("cpu", BF16, False, 0.0, have(), "sdpa"),
-    ("mps", FP16, True, 0.0, have(), "sdpa"),
+    ("cpu", FP32, True, 0.0, have(flash_attn=True, te=True), "bucketed"),
+    ("cpu", BF16, False, 0.0, have(), "bucketed"),
+    ("mps", FP16, True, 0.0, have(), "bucketed"),
     ("cuda", BF16, True, 0.0, have(flash_attn=True, te=True), "flash_attn"),
     ("cuda", FP16, True, 0.0, have(te=True), "te"),
     ("cuda", BF16, True, 0.0, have(), "torch_varlen"),
@@ -64,19 +72,22 @@ def test_varlen_choice_rule(device: str, dtype: torch.dtype, training: bool, dro
 
 def test_varlen_choice_never_picks_a_kernel_that_refuses_the_inputs() -> None:
     forms = [None, V210, V211, V213]
-    for device, dtype, training, dropout, flash, te, varlen, flex in itertools.product(
+    for device, dtype, training, dropout, flash, te, varlen, flex, sm, frontend, planned in itertools.product(
         ["cpu", "cuda", "mps"], [FP32, FP16, BF16], [True, False], [0.0, 0.1], [True, False],
-        [True, False], forms, [True, False],
+        [True, False], forms, [True, False], [80, 90], [True, False], [True, False],
     ):  # fmt: skip
-        installed = Installed(cuda=True, flash_attn=flash, te=te, varlen=varlen, flex=flex)
-        name, _ = choose(device, dtype, training=training, dropout=dropout, installed=installed)
+        installed = Installed(cuda=True, flash_attn=flash, te=te, varlen=varlen, flex=flex,
+                              sm=sm, cudnn_frontend=frontend, cudnn_version=91900)  # fmt: skip
+        name, _ = choose(device, dtype, training=training, dropout=dropout, installed=installed,
+                         planned=planned)  # fmt: skip
         args: dict[str, Any] = {"training": training, "dropout": dropout, "installed": installed}
         assert refusal(name, device, dtype, **args) is None, (name, device, dtype, args)
         # and it is the first in the preference order that takes them
-        order = BACKENDS if device == "cuda" and dtype != FP32 else ("flex", "sdpa")
-        if device == "cuda":
-            takers = [b for b in order if refusal(b, device, dtype, **args) is None]
-            assert name == takers[0]
+        order = preference(device, dtype, installed)
+        assert set(order) <= set(BACKENDS)
+        takers = [b for b in order if refusal(b, device, dtype, **args) is None
+                  and (b != "bucketed" or planned or device != "cuda")]  # fmt: skip
+        assert name == takers[0]
 
 
 def test_varlen_choice_reasons_name_what_is_missing_and_the_gqa_repeat() -> None:

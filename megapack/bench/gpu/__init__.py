@@ -23,9 +23,7 @@ _THROUGHPUT = (
     "length_mixes",
     "run_gpu_throughput",
     "step_estimate",
-    "target_checks",
     "time_steps",
-    "TARGETS",
     "MIXES",
 )
 

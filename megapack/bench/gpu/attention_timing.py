@@ -1,5 +1,7 @@
 """The GPU kit's attention timing: every backend that trains here, fwd+bwd on one packed row, and
-the target that flex stays within `FLEX_OVER_VARLEN` x torch_varlen.
+the targets: flex within `FLEX_OVER_VARLEN` x torch_varlen; cuDNN's THD path (``cudnn``, else
+``te``: the kernels padded SDPA gets on Hopper) at most `CUDNN_OVER_VARLEN` x torch_varlen; the
+``bucketed`` fallback (dense SDPA per length bucket) reported against both.
 
 Timing is not correctness: `megapack.bench.gpu.checks` checks each backend's values; this module
 only reports the medians (an "info" line) and the one target.
@@ -19,6 +21,9 @@ from megapack.bench.gpu.report import Check, Status
 
 FLEX_OVER_VARLEN = 1.5
 """Target: flex's fwd+bwd time at most this many times torch_varlen's on the timed row."""
+CUDNN_OVER_VARLEN = 0.55
+"""Target: cuDNN's THD attention fwd+bwd at most this many times torch_varlen's (on an H200,
+cuDNN's sm90 kernels ran ~2.1x varlen's FlashAttention 2 per FLOP: 0.48x its time)."""
 
 
 def attention_timing(
@@ -78,8 +83,32 @@ def attention_timing(
             detail=f"median of {repeats} after {warmup} untimed: {measured}",
         )
     ]
-    checks.append(flex_target(times, row, where=f"{device.type} {dtype_name(dtype)}"))
+    where = f"{device.type} {dtype_name(dtype)}"
+    checks.append(flex_target(times, row, where=where))
+    checks.append(cudnn_target(times, row, where=where))
+    if "bucketed" in times and "torch_varlen" in times:
+        ratios = [f"{times['bucketed'] / times['torch_varlen']:.2f}x torch_varlen"]
+        if "cudnn" in times:
+            ratios.append(f"{times['bucketed'] / times['cudnn']:.2f}x cudnn")
+        checks.append(Check(name=f"attention time: bucketed ({row})", status="info",
+                            detail=", ".join(ratios)))  # fmt: skip
     return checks
+
+
+def cudnn_target(times: dict[str, float], row: str, *, where: str) -> Check:
+    """The target cuDNN's THD attention <= `CUDNN_OVER_VARLEN` x torch_varlen (``cudnn``, else ``te``)."""
+    name = f"target: cuDNN THD fwd+bwd <= {CUDNN_OVER_VARLEN:g}x torch_varlen ({row})"
+    fused = next((n for n in ("cudnn", "te") if n in times), None)
+    if fused is not None and "torch_varlen" in times:
+        ratio = times[fused] / times["torch_varlen"]
+        status: Status = "passed" if ratio <= CUDNN_OVER_VARLEN else "failed"
+        return Check(name=name, status=status, detail=f"{fused}: {ratio:.2f}x")
+    missing = " and ".join(
+        n
+        for n, ok in (("cudnn (or te)", fused), ("torch_varlen", "torch_varlen" in times))
+        if not ok
+    )
+    return Check(name=name, status="skipped", detail=f"{missing} cannot train on {where} here")
 
 
 def flex_target(times: dict[str, float], row: str, *, where: str) -> Check:

@@ -176,7 +176,32 @@ def attention_checks(
             detail=f"choose_backend picks {auto!r} for training",
         )
     )
+    checks.append(capture_token_check(device))
     return checks
+
+
+def capture_token_check(device: torch.device) -> Check:
+    """Two CUDA-graph captures see two different `megapack.core.capture.capture_token`s (from the
+    CUDA runtime's capture ids), and none outside them: what batch-derived caches key on."""
+    from megapack.core import capture
+
+    name = "capture: every CUDA-graph capture has its own token, eager none"
+    if device.type != "cuda":
+        return Check(name=name, status="skipped", detail="needs CUDA")
+    tokens = []
+    stream = torch.cuda.Stream(device)
+    x = torch.zeros(4, device=device)
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            tokens.append(capture.capture_token())
+            x.add_(1)
+    outside = capture.capture_token()
+    runtime = all(isinstance(t, tuple) and t[0] == "capture" for t in tokens)
+    source = "the CUDA runtime" if runtime else "epochs (no runtime capture id)"
+    ok = outside is None and None not in tokens and tokens[0] != tokens[1]
+    return Check(name=name, status="passed" if ok else "failed",
+                 detail=f"tokens {tokens}, outside {outside!r}, ids from {source}")  # fmt: skip
 
 
 def check_backend(

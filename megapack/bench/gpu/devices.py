@@ -46,3 +46,50 @@ def peak_bf16_flops(device_name: str) -> tuple[float | None, str]:
         if all(w in upper for w in words):
             return peak, name
     return None, "unknown device"
+
+
+def cudnn_versions() -> dict[str, str]:
+    """The cuDNN library torch runs with and the cuDNN frontend's Python package, for the report's
+    header: ``{"cudnn": "9.19.0 (91900)", "cudnn_frontend": "1.28.0"}``; "none" where torch has no
+    cuDNN, "not installed" where ``import cudnn`` (pip ``nvidia-cudnn-frontend``) finds nothing, and
+    "import failed: <why>" where it is there but does not load.
+
+    Example:
+        >>> sorted(cudnn_versions())
+        ['cudnn', 'cudnn_frontend']
+    """
+    import importlib
+    import importlib.util
+
+    import torch
+
+    try:
+        raw = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except Exception as exc:  # a broken cuDNN install must not stop the kit's header
+        raw, library = None, f"unreadable: {type(exc).__name__}: {exc}"
+    else:
+        library = "none" if raw is None else f"{_cudnn_release(int(raw))} ({raw})"
+    try:
+        found = importlib.util.find_spec("cudnn") is not None
+    except (ImportError, ValueError):
+        found = False
+    frontend = "not installed"
+    if found:
+        try:
+            frontend = str(getattr(importlib.import_module("cudnn"), "__version__", "unknown"))
+        except Exception as exc:
+            frontend = f"import failed: {type(exc).__name__}: {exc}"
+    return {"cudnn": library, "cudnn_frontend": frontend}
+
+
+def _cudnn_release(raw: int) -> str:
+    """cuDNN's version number as a release: 91900 -> "9.19.0" (9.x: major x 10,000 + minor x 100
+    + patch), 8907 -> "8.9.7" (8.x: major x 1,000 + minor x 100 + patch).
+
+    Example:
+        >>> _cudnn_release(91900), _cudnn_release(8907)
+        ('9.19.0', '8.9.7')
+    """
+    if raw >= 90000:
+        return f"{raw // 10000}.{raw % 10000 // 100}.{raw % 100}"
+    return f"{raw // 1000}.{raw % 1000 // 100}.{raw % 100}"

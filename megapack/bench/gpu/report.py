@@ -40,8 +40,10 @@ THROUGHPUT_KEYS = (
     "noisy",
     "slot_ratio",
     "flop_ideal",
+    "executed_ratio",
     "packed_tflops",
     "baseline_tflops",
+    "packed_spread",
     "mfu",
     "mfu_of_matmul",
 )
@@ -135,14 +137,16 @@ def markdown(
             "",
             "## Packing against each baseline (real tokens/s, the same documents)",
             "",
-            "Ratio: packed tokens/s over the baseline's, the median of the timed steps [min, "
-            "max]; slot ratio and FLOP ideal: the baseline's token slots and executed FLOPs "
-            "over packing's; MFU: packing's model FLOPs/s over the device's bf16 peak (beside "
-            "it, over the measured matmul).",
+            "Ratio: packed tokens/s over the baseline's, round by round (the modes interleaved), "
+            "the median of the timed rounds [min, max], NOISY where (max - min) / median exceeds "
+            "10%; slot ratio and FLOP ideal: the baseline's token slots and executed FLOPs over "
+            "packing's, the same documents; packed / baseline executed FLOP/s: the median of the "
+            "rounds' ratios (ratio over ideal); MFU: packing's model FLOPs/s over the device's "
+            "bf16 peak (beside it, over the measured matmul).",
             "",
         ]
         lines += [
-            "| config | baseline | packed tokens/s | baseline tokens/s | ratio [min, max] | slot ratio | FLOP ideal | ratio / ideal | packed TFLOP/s | baseline TFLOP/s | MFU (peak) | MFU (matmul) |",
+            "| config | baseline | packed tokens/s | baseline tokens/s | ratio [min, max] | slot ratio | FLOP ideal | packed / baseline executed FLOP/s | packed TFLOP/s | baseline TFLOP/s | MFU (peak) | MFU (matmul) |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for t in report["throughput"]:
@@ -150,9 +154,7 @@ def markdown(
             if t["ratio"] is not None:
                 ratio = f"{t['ratio']:.2f} [{t['ratio_min']:.2f}, {t['ratio_max']:.2f}]"
                 ratio += " NOISY" if t["noisy"] else ""
-            share = (
-                t["ratio"] / t["flop_ideal"] if t["ratio"] is not None and t["flop_ideal"] else None
-            )
+            share = t.get("executed_ratio")
             cells = [
                 t["baseline"],
                 _num(t["packed_tokens_per_s"], "{:,.0f}"),
@@ -160,7 +162,7 @@ def markdown(
                 ratio,
                 _num(t["slot_ratio"], "{:.2f}"),
                 _num(t["flop_ideal"], "{:.2f}"),
-                _num(share, "{:.0%}"),
+                _num(share, "{:.3f}"),
                 _num(t["packed_tflops"], "{:.1f}"),
                 _num(t["baseline_tflops"], "{:.1f}"),
                 _num(t["mfu"], "{:.1%}"),
@@ -190,12 +192,15 @@ def markdown(
     if details:
         lines += ["", "### Every mode", ""]
         lines += [
-            "| seq | mix | mode | status | real tokens/s | step s (median) | micro-batches | token slots | tokens | executed TFLOP/s |",
+            "| seq | mix | mode | status | real tokens/s | step s (median) | micro-batches (timed) | token slots | tokens | executed TFLOP/s |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in details:
             ok = r.get("status") == "ok"
-            tflops = r["executed_flops"] / r["step_s"] / 1e12 if ok else None
+            executed = r.get("timed_executed_flops") or r["executed_flops"]
+            tflops = executed / r["step_s"] / 1e12 if ok else None
+            ran = r.get("timed_micro_batches", r["micro_batches"])
+            count = str(r["micro_batches"]) + (f" ({ran})" if ran != r["micro_batches"] else "")
             cells = [
                 str(r["seq_len"]),
                 r["mix"],
@@ -203,7 +208,7 @@ def markdown(
                 r["status"] if ok else f"{r['status']}: {r.get('detail', '')}",
                 _num(r.get("tokens_per_s"), "{:,.0f}"),
                 _num(r.get("step_s"), "{:.3f}"),
-                str(r["micro_batches"]),
+                count,
                 f"{r['slots']:,}",
                 f"{r['tokens']:,}",
                 _num(tflops, "{:.1f}"),

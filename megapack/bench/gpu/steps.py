@@ -23,11 +23,11 @@ from megapack.bench.gpu.syncs import (
     backend_sync_checks,
     step_sync_checks,
     sync_checks,
+    sync_target,
 )
-from megapack.bench.gpu.throughput import (
-    run_gpu_throughput,
-    time_steps,
-)
+from megapack.bench.gpu.targets import target_checks
+from megapack.bench.gpu.throughput import run_gpu_throughput, train_step
+from megapack.bench.layouts import FULL_MODES, MODES
 from megapack.bench.report import environment
 
 
@@ -50,9 +50,18 @@ def set_up(device: torch.device, seed: int) -> list[Check]:
         ps.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(seed)
     detail = (
-        f"torch.distributed {dist.get_backend()} world of 1, megatron-core parallel_state tp=1 pp=1"
+        f"torch.distributed {dist.get_backend()} world of 1, megatron-core parallel_state tp=1 pp=1; "
+        + versions()
     )
     return [Check(name="set-up", status="info", detail=detail)]
+
+
+def versions() -> str:
+    """The cuDNN library and frontend the run has (`megapack.bench.gpu.devices.cudnn_versions`)."""
+    from megapack.bench.gpu.devices import cudnn_versions
+
+    found = cudnn_versions()
+    return f"cuDNN {found['cudnn']}, cudnn frontend {found['cudnn_frontend']}"
 
 
 def tear_down() -> None:
@@ -86,14 +95,21 @@ def fp32_losses(sizes: KitSizes, device: torch.device, seq_len: int, seed: int) 
 
 
 def bf16_losses(
-    sizes: KitSizes, device: torch.device, state: dict[str, Any], seq_len: int, seed: int
+    sizes: KitSizes,
+    device: torch.device,
+    state: dict[str, Any],
+    seq_len: int,
+    seed: int,
+    backend: str = "auto",
 ) -> Check:
     """On the bf16 model itself; the dry run (fp32) builds a bf16 copy of its toy model for it."""
     shape = sizes.shape
     if sizes.dtype == torch.bfloat16:
         model = state["model"]
     else:
-        model = build_gpt(shape, device=device, dtype=torch.bfloat16, max_sequence_length=seq_len)
+        model = build_gpt(
+            shape, device=device, dtype=torch.bfloat16, max_sequence_length=seq_len, backend=backend
+        )
     return packed_vs_padded(
         model,
         device=device,
@@ -102,23 +118,28 @@ def bf16_losses(
         seq_len=seq_len,
         vocab_size=shape.vocab_size,
         seed=seed,
-        label=f"packed == padded per-token losses (bfloat16, {auto_backend(device, torch.bfloat16)}, "
+        label=f"packed == padded per-token losses (bfloat16, {auto_backend(device, torch.bfloat16, backend)}, "
         f"Float16Module, {shape.num_layers} layers)",
     )
 
 
-def build_main(sizes: KitSizes, device: torch.device, state: dict[str, Any]) -> Check:
+def build_main(
+    sizes: KitSizes, device: torch.device, state: dict[str, Any], backend: str = "auto"
+) -> Check:
+    """The kit's model, attention ``backend`` (the kit's ``--backend``) in every layer."""
     model = build_gpt(
         sizes.shape,
         device=device,
         dtype=sizes.dtype,
         max_sequence_length=max(sizes.throughput.seq_lens),
+        backend=backend,
     )
     state["model"] = model
     count, expected = sum(p.numel() for p in model.parameters()), sizes.shape.parameters()
     status: Status = "passed" if count == expected else "failed"
     return Check(
-        name=f"model: {shape_name(sizes.shape)}, {str(sizes.dtype).removeprefix('torch.')}",
+        name=f"model: {shape_name(sizes.shape)}, {str(sizes.dtype).removeprefix('torch.')}, "
+        f"{auto_backend(device, sizes.dtype, backend)}",
         status=status,
         detail=f"{count:,} parameters; the FLOPs formula counts {expected:,}",
     )
@@ -142,8 +163,7 @@ def sync_step(
     checks = sync_checks(state["model"], packed, device=device)
     checks += step_sync_checks(state["model"], packed, docs, seq_len, device=device)
     checks += backend_sync_checks(device, sizes.dtype)
-    state["sync"] = checks
-    return checks
+    return [*checks, sync_target(checks)]
 
 
 def throughput_step(
@@ -152,12 +172,20 @@ def throughput_step(
     state: dict[str, Any],
     mixes: dict[str, list[int]],
     report: Report,
-    start: float,
     seed: int,
     peak: float | None,
+    *,
+    applies: bool,
+    why_not: str,
 ) -> list[Check]:
+    """The matmul rate, packing against every baseline (`run_gpu_throughput`), the spread line
+    and the throughput targets (`target_checks`; skipped, saying ``why_not``, unless ``applies``).
+    The section's deadline is ``sizes.budget_s`` from its start."""
+    import time
+
     from megapack import Topology
 
+    start = time.perf_counter()
     matmul = matmul_ceiling(device, sizes.dtype, n=sizes.matmul_n)
     report.notes.append(
         f"measured matmul: {matmul / 1e12:.1f} TFLOP/s, "
@@ -175,24 +203,37 @@ def throughput_step(
     )
     report.details = rows
     report.throughput = summarize(rows, peak_flops=peak, matmul_flops=matmul)
+    t = sizes.throughput
+    cannot = [r for r in rows if str(r.get("detail", "")).startswith("cannot compile here")]
     bad = [
         f"{r['mix']} seq {r['seq_len']} {r['mode']}: {r['status']}: {r['detail']}"
         for r in rows
-        if r["status"] != "ok"
+        if r not in cannot
+        and (r["status"] == "error" or (r["status"] == "skipped" and r["mode"] in FULL_MODES))
     ]
-    if bad:
-        return [Check(name="throughput", status="failed", detail="; ".join(bad))]
-    t = sizes.throughput
+    done = sum(r["status"] == "ok" for r in rows)
+    what = (
+        f"{done} of {len(rows)} mode runs: seq {', '.join(map(str, t.seq_lens))} x "
+        f"{len(mixes)} mixes x {len(MODES)} modes interleaved, {t.rows} rows per micro-batch, "
+        f"steps of {t.step_tokens:,} packed token slots from plans over {t.pool:,} documents, "
+        f"{t.steps} timed rounds after {t.warmup} warm-up"
+    )
     checks = [
         Check(
             name="throughput",
-            status="passed",
-            detail=(
-                f"{len(rows)} runs: seq {', '.join(map(str, t.seq_lens))} x {len(mixes)} mixes x {len(rows) // len(mixes) // len(t.seq_lens)} "
-                f"modes, {t.documents} documents, {t.rows} rows per micro-batch, {t.steps} timed steps after {t.warmup} warm-up"
-            ),
+            status="failed" if bad else "passed",
+            detail=(what + "; " + "; ".join(bad)) if bad else what,
         )
     ]
+    skipped = [
+        f"{r['mix']} seq {r['seq_len']} {r['mode']}: {r['detail']}"
+        for r in rows
+        if r["status"] == "skipped" and (r in cannot or r["mode"] not in FULL_MODES)
+    ]
+    if skipped:  # a kernel that cannot compile here, a context baseline past the deadline
+        checks.append(
+            Check(name="throughput: modes not run", status="skipped", detail="; ".join(skipped))
+        )
     noisy = [
         f"{e['config']} vs {e['baseline']} ({e['spread']:.0%})"
         for e in report.throughput
@@ -201,10 +242,13 @@ def throughput_step(
     checks.append(
         Check(
             name="throughput spread: ratios whose (max - min) / median exceeds 10% "
-            "(verdicts read the median)",
+            "(a target on one fails as too noisy to judge)",
             status="info",
             detail=("NOISY: " + "; ".join(noisy)) if noisy else "none: every ratio within 10%",
         )
+    )
+    checks += target_checks(
+        report.throughput, seq_lens=t.seq_lens, applies=applies, why_not=why_not
     )
     return checks
 
@@ -217,7 +261,8 @@ def profile_modes(
     report: Report,
     seed: int,
 ) -> list[Check]:
-    """One step of each mode at the first configuration (seq, openchat) under torch.profiler."""
+    """One step of each mode at the first configuration (seq, openchat), laid out as the
+    throughput section lays it out, under torch.profiler."""
     import functools
 
     import numpy as np
@@ -225,33 +270,23 @@ def profile_modes(
 
     from megapack import Topology
     from megapack.bench.gpu.profile import profile_step
-    from megapack.bench.layouts import MODES, micro_batches
+    from megapack.bench.layouts import micro_batches, plan_step, timed
     from megapack.harness.gpt import forward_step
 
     seq_len, rows = sizes.throughput.seq_lens[0], sizes.throughput.rows
+    window = sizes.throughput.micro_batches(seq_len)
+    step = plan_step(lengths, seq_len, rows, window, seed=seed)
     rng = np.random.default_rng(seed)
-    docs = [rng.integers(1, sizes.shape.vocab_size, n) for n in lengths]
+    docs = [rng.integers(1, sizes.shape.vocab_size, n) for n in step.lengths]
     model, topology = state["model"], Topology.single(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
     step_fn = functools.partial(forward_step, topology)
+    schedule = get_forward_backward_func()
     for mode in MODES:
-        batches = micro_batches(mode, docs, seq_len, rows, seed=seed)
-        packed = mode == "packed"
-
-        def run(batches: list[Any] = batches, packed: bool = packed) -> None:
-            time_steps(
-                get_forward_backward_func(),
-                step_fn,
-                model,
-                optimizer,
-                batches,
-                device,
-                width=rows * seq_len if packed else None,
-                micro_batch_size=1 if packed else None,
-                warmup=0,
-                steps=1,
-            )
-
+        batches = timed(
+            mode, micro_batches(mode, docs, seq_len, rows, packing=step.packing), window
+        )
+        run = functools.partial(train_step, schedule, step_fn, model, optimizer, batches, device)
         run()  # warm: the profiled step is a steady one
         report.profile.append(
             {"mode": mode, "micro_batches": len(batches)} | profile_step(run, device)
@@ -271,11 +306,14 @@ def profile_modes(
 def graph_step(
     sizes: KitSizes, device: torch.device, state: dict[str, Any], lengths: list[int], seed: int
 ) -> list[Check]:
-    """The captured step (`megapack.bench.gpu.graph`): the cap from OpenChat, then the kit's model
-    (reported) and a launch-bound one (the target) replayed over static packs."""
+    """The captured whole training step (`megapack.bench.gpu.graph`, `graph_grouped`): the cap
+    from OpenChat; then, on fresh copies of the kit's model (reported) and of a launch-bound one
+    (the targets), replay against eager (losses, every gradient, AdamW's result, 0 syncs, time)
+    and packed + whole-step graphs against eager length-grouped padding."""
     import numpy as np
 
-    from megapack.bench.gpu.graph import LAUNCH_BOUND, cap_check, graph_step_check
+    from megapack.bench.gpu.graph import LAUNCH_BOUND, PACKS, cap_check, compare_replay
+    from megapack.bench.gpu.graph_grouped import VS_GROUPED_TARGET, packed_graph_vs_grouped
 
     seq_len, rows = sizes.throughput.seq_lens[0], sizes.throughput.rows
     scale = sizes.throughput.length_scale
@@ -283,49 +321,40 @@ def graph_step(
     check, cap = cap_check(openchat, seq_len, rows)
     rng = np.random.default_rng(seed)
     docs = [rng.integers(1, sizes.shape.vocab_size, n) for n in lengths]
-    checks = [check]
-    checks += graph_step_check(
-        state["model"],
-        sizes.shape,
-        docs,
-        device=device,
-        dtype=sizes.dtype,
-        seq_len=seq_len,
-        rows=rows,
-        cap=cap,
-        label=shape_name(sizes.shape),
-        target=None,
-    )
     small_shape, small_seq = (
         (LAUNCH_BOUND, 1024) if sizes.shape == PRESET else (sizes.shape, seq_len // 2)
     )
-    small = build_gpt(small_shape, device=device, dtype=sizes.dtype, max_sequence_length=small_seq)
-    try:
-        short = [d[: small_seq // 2] for d in docs]
-        _, small_cap = cap_check([len(d) for d in short], small_seq, rows)
-        checks += graph_step_check(
-            small,
-            small_shape,
-            short,
-            device=device,
-            dtype=sizes.dtype,
-            seq_len=small_seq,
-            rows=rows,
-            cap=small_cap,
-            label=f"launch-bound {shape_name(small_shape)}",
-            target=REPLAY_TARGET,
+    short = [d[: small_seq // 2] for d in docs]
+    _, small_cap = cap_check([len(d) for d in short], small_seq, rows)
+    packs = PACKS if device.type == "cuda" else 3  # the dry run: the eager half, toy-sized
+    checks = [check]
+    runs = (
+        (sizes.shape, docs, seq_len, cap, shape_name(sizes.shape), None, None),
+        (small_shape, short, small_seq, small_cap, f"launch-bound {shape_name(small_shape)}",
+         REPLAY_TARGET, VS_GROUPED_TARGET),
+    )  # fmt: skip
+    for shape, texts, seq, c, label, replay_target, grouped_target in runs:
+        common: dict[str, Any] = dict(device=device, dtype=sizes.dtype, seq_len=seq, rows=rows,
+                                      cap=c, label=label)  # fmt: skip
+        checks += compare_replay(shape, texts, target=replay_target, steps=packs, **common)
+        checks += packed_graph_vs_grouped(
+            shape, texts, target=grouped_target, steps=sizes.throughput.steps, **common
         )
-    finally:
-        del small
-        if device.type == "cuda":
+        if device.type == "cuda":  # the pair's graphs and buffers, before the next pair
+            import gc
+
+            gc.collect()
             torch.cuda.empty_cache()
     return checks
 
 
-def auto_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """The backend "auto" trains with here (what the loss checks run)."""
+def auto_backend(device: torch.device, dtype: torch.dtype, backend: str = "auto") -> str:
+    """The backend a model trains with here (what the loss checks run): ``backend`` itself, or
+    what "auto" chooses."""
     from megapack.attention import choose_backend
 
+    if backend != "auto":
+        return f"attention {backend} (--backend)"
     return f"attention {choose_backend(device, dtype, training=True)}"
 
 
@@ -348,13 +377,20 @@ def shape_name(shape: GptShape) -> str:
     )
 
 
-def notes(sizes: KitSizes, dry_run: bool) -> list[str]:
+def notes(
+    sizes: KitSizes, dry_run: bool, *, sections: tuple[str, ...] = (), backend: str = "auto"
+) -> list[str]:
+    """The report's header lines: versions (cuDNN and its frontend too), the sizes, the sections
+    run and the attention backend asked for."""
     env = environment(backend="none", launcher="one process")  # megatron-core's version, commit
     mcore, commit = env["megatron_core"], env["commit"]
     t = sizes.throughput
     return [
-        f"python {platform.python_version()}, megatron-core {mcore}, commit {commit}"
+        f"python {platform.python_version()}, megatron-core {mcore}, {versions()}, commit {commit}"
         + (", DRY RUN (CPU, toy sizes: no GPU numbers)" if dry_run else ""),
-        f"model: {shape_name(sizes.shape)}, {str(sizes.dtype).removeprefix('torch.')}; seq {', '.join(map(str, t.seq_lens))}; "
-        f"{t.documents} documents a step, {t.rows} rows per micro-batch, {t.steps} timed steps per mode",
+        f"model: {shape_name(sizes.shape)}, {str(sizes.dtype).removeprefix('torch.')}; "
+        f"attention backend {backend}; seq {', '.join(map(str, t.seq_lens))}; a step: "
+        f"{t.step_tokens:,} packed token slots from a plan over {t.pool:,} documents, "
+        f"{t.rows} rows per micro-batch, {t.steps} timed rounds of every mode",
+        f"sections: {', '.join(sections) if sections else 'all'}",
     ]

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from megapack.bench.gpu.checks import PAD_MULTIPLE, dtype_name
+from megapack.bench.gpu.compile_failure import compile_failure
 from megapack.bench.gpu.model import forward
 from megapack.bench.gpu.report import Check
 
@@ -203,9 +204,8 @@ def _whole_step(model: Any, topology: Any, batches: list[Any]) -> None:
         out = forward(model, batch)
         return out, functools.partial(masked_mean_loss, batch["loss_mask"])
 
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=0.0
-    )  # runs the update's kernels, moves nothing
+    # lr 0: runs the update's kernels, moves nothing
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     width = int(batches[0].tokens.shape[1])
     with prefetch(iter(batches), topology=topology, depth=2) as ahead:
         get_forward_backward_func()(
@@ -262,6 +262,8 @@ def _guarded(
     device: torch.device,
     guard: Callable[[torch.device], contextlib.AbstractContextManager[bool]],
 ) -> Check:
+    """A check of ``run`` under ``guard`` after ``warm``; a kernel that cannot compile here (e.g.
+    flex in bf16 at head dim 64) is skipped with the reason, not failed: no sync was found."""
     try:
         warm()
     except Exception as exc:
@@ -283,10 +285,34 @@ def _guarded(
 
 
 def _failed(label: str, exc: BaseException, prefix: str = "") -> Check:
-    """A failed check whose detail is the exception and the last 40 lines of its stack."""
+    """A failed check whose detail is the exception and the last 40 lines of its stack; a skipped
+    one saying "cannot compile here: <reason>" when the exception is a compile failure."""
+    why = compile_failure(exc)
+    if why is not None:
+        return Check(name=label, status="skipped", detail=why)
     stack = "".join(traceback.format_exception(exc)).splitlines()
     return Check(
         name=label,
         status="failed",
         detail=f"{prefix}{type(exc).__name__}: {exc}\n" + "\n".join(stack[-40:]),
     )
+
+
+SYNC_TARGET = "target: 0 synchronizing CUDA calls over a whole step, the positive control tripping"
+
+
+def sync_target(checks: Sequence[Check]) -> Check:
+    """The sync target from the sync checks: passed when the positive control passed and no check
+    failed; a skipped check (a kernel that cannot compile here) is named, not counted against it.
+    Without CUDA (the control skipped) the target is skipped."""
+    control = [c for c in checks if c.name.startswith("sync: positive control")]
+    if not control or control[0].status == "skipped":
+        why = control[0].detail if control else "the sync checks did not run"
+        return Check(name=SYNC_TARGET, status="skipped", detail=why)
+    failed = [c.name for c in checks if c.status == "failed"]
+    skipped = [f"{c.name} ({c.detail})" for c in checks if c.status == "skipped"]
+    detail = f"{sum(c.status == 'passed' for c in checks)} sync checks passed"
+    detail += f"; skipped: {'; '.join(skipped)}" if skipped else ""
+    if failed:
+        return Check(name=SYNC_TARGET, status="failed", detail=f"failed: {failed}; {detail}")
+    return Check(name=SYNC_TARGET, status="passed", detail=detail)

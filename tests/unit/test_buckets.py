@@ -1,0 +1,167 @@
+"""Length buckets (megapack.core.buckets) and the bucketed backend (megapack.attention.bucketed):
+the plan covers every real token once, shapes come from the fixed classes, and the kernel equals
+the per-document reference (fp32), padded boundaries and zero-length documents included, whether
+the plan was delivered with the batch or made from the boundaries."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import megapack
+from megapack.attention import packed_attention
+from megapack.attention.documents import Documents
+from megapack.attention.kernels import KERNELS
+from megapack.core.buckets import (
+    BUCKET_FIELDS,
+    BUCKET_NAMES,
+    MAX_BUCKETS,
+    length_class,
+    length_classes,
+    plan_buckets,
+    with_bucket_plan,
+)
+from megapack.core.seq_params import BUCKETS_ATTR, make_packed_seq_params
+from megapack.testing.host_reads import host_reads
+
+CPU = megapack.Topology.single(torch.device("cpu"))
+
+
+def test_worked_example_from_the_module_docstring() -> None:
+    (bucket,) = plan_buckets([0, 3, 8, 10, 16])
+    s = 16
+    assert bucket.dtype == np.int32 and bucket.tolist() == [
+        [0, 1, 2, s, s, s, s, s],
+        [3, 4, 5, 6, 7, s, s, s],
+        [8, 9, s, s, s, s, s, s],
+        [10, 11, 12, 13, 14, 15, s, s],
+    ]
+
+
+def test_classes_are_multiples_of_8_then_less_than_an_eighth_above() -> None:
+    n = np.arange(0, 40000)
+    c = length_classes(n)
+    assert c[0] == 0 and (c[1:] >= n[1:]).all()
+    assert (c[1:65] % 8 == 0).all() and (c[1:65] - n[1:65] < 8).all()
+    assert (c[65:129] % 16 == 0).all() and (c[65:129] - n[65:129] < 16).all()
+    assert (c[129:] < 1.125 * n[129:]).all() and (c[129:] % 16 == 0).all()
+    assert len(set(c[129:32769].tolist())) == 8 * 8  # 8 classes per power of two, 128..32,768
+    assert [length_class(x) for x in (64, 65, 129, 1024, 1025)] == [64, 80, 144, 1024, 1152]
+
+
+def test_padded_boundaries_and_zero_length_documents() -> None:
+    # real lengths 3, 0, 2; buffer spans 4, 4, 8 (alignment padding, a zero-length document)
+    (bucket,) = plan_buckets([0, 4, 8, 16], [0, 3, 3, 5], total=16)
+    assert bucket.tolist() == [[0, 1, 2, 16, 16, 16, 16, 16], [8, 9, 16, 16, 16, 16, 16, 16]]
+    assert plan_buckets([0, 0, 0], total=0) == []  # nothing real: no bucket
+    with pytest.raises(ValueError, match="cu_seqlens has 3 entries but cu_seqlens_padded 4"):
+        plan_buckets([0, 4, 8, 16], [0, 3, 5])
+
+
+def test_more_classes_than_buckets_merge_the_cheapest_neighbours() -> None:
+    lengths = [8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 2000]
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    buckets = plan_buckets(cu)
+    assert len(buckets) == MAX_BUCKETS
+    assert buckets[-1].shape == (1, length_class(2000))  # the long document is never merged down
+    sizes = [b.shape[1] for b in buckets]
+    assert sizes == sorted(sizes) and all(s == length_class(s) for s in sizes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 300), min_size=1, max_size=40),
+    st.integers(1, 8),
+    st.integers(1, MAX_BUCKETS),
+)
+def test_every_real_position_is_in_exactly_one_slot(
+    lengths: list[int], multiple: int, max_buckets: int
+) -> None:
+    spans = [-(-n // multiple) * multiple for n in lengths]
+    buffer = np.concatenate([[0], np.cumsum(spans)])
+    real = np.concatenate([[0], np.cumsum(lengths)])
+    total = int(buffer[-1])
+    buckets = plan_buckets(buffer, real, total=total, max_buckets=max_buckets)
+    assert len(buckets) <= max_buckets
+    slots = np.concatenate([b.reshape(-1) for b in buckets]) if buckets else np.zeros(0)
+    expected = np.concatenate(
+        [np.arange(s, s + n) for s, n in zip(buffer[:-1], lengths, strict=True)]
+    )
+    assert sorted(slots[slots < total].tolist()) == sorted(expected.tolist())
+    for b in buckets:  # each row: a document's positions in order, then padding
+        for row in b:
+            real_part = row[row < total]
+            assert (np.diff(real_part) == 1).all() and (row[len(real_part) :] == total).all()
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    out = packed_attention(
+        q, k, v, cu_seqlens=cu, cu_seqlens_padded=pad, max_seqlen=64, backend="sdpa"
+    )
+    return out  # fmt: skip
+
+
+CASES = {
+    "unpadded": ([0, 3, 40, 41, 64], None),
+    "aligned": ([0, 3, 5, 9, 30], [0, 8, 16, 24, 64]),
+    "zero-length": ([0, 3, 3, 9, 9], [0, 4, 4, 12, 64]),
+    "static-tail": ([0, 30, 64, 64, 64], None),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bucketed_equals_the_per_document_reference_forward_and_backward(case: str) -> None:
+    real, buffer = CASES[case]
+    cu = torch.tensor(real, dtype=torch.int32)
+    pad = None if buffer is None else torch.tensor(buffer, dtype=torch.int32)
+    g = torch.Generator().manual_seed(1)
+    base = [torch.randn(64, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2)]
+    grad = torch.randn(64, 4, 8, generator=g, dtype=torch.float64)
+    results = []
+    for name in ("sdpa", "bucketed"):
+        q, k, v = (x.clone().requires_grad_() for x in base)
+        out = packed_attention(q, k, v, cu_seqlens=cu.clone(), cu_seqlens_padded=None if pad is None else pad.clone(),
+                               max_seqlen=64, backend=name)  # fmt: skip
+        out.backward(grad)
+        results.append((out, q.grad, k.grad, v.grad))
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_delivered_plan_gives_the_same_result_without_reading_the_host() -> None:
+    cu = torch.tensor([0, 5, 12, 13, 40], dtype=torch.int32)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(40, h, 8, generator=g) for h in (4, 2, 2))
+    host = Documents(cu, cu, 27, 40)
+    delivered = Documents(cu, cu, 27, 40)
+    delivered.buckets = tuple(torch.from_numpy(b) for b in plan_buckets(cu.tolist()))
+    with host_reads() as reads:
+        got = KERNELS["bucketed"](q, k, v, delivered, 0.3, 0.0)
+    assert reads.by_module() == {}, reads.report()
+    torch.testing.assert_close(got, KERNELS["bucketed"](q, k, v, host, 0.3, 0.0))
+    torch.testing.assert_close(got, KERNELS["sdpa"](q, k, v, Documents(cu, cu, 27, 40), 0.3, 0.0))
+
+
+def test_get_batch_delivers_the_plan_on_the_params_when_declared() -> None:
+    batch = megapack.PackedBatch.from_documents([[1] * 5, [2] * 90, [3] * 3], seq_len=128)
+    plain = megapack.get_batch_on_this_tp_rank(iter([batch]), topology=CPU)
+    assert getattr(plain["packed_seq_params"], BUCKETS_ATTR, None) is None
+    out = megapack.get_batch_on_this_tp_rank(iter([batch]), topology=CPU, fields=BUCKET_FIELDS)
+    want = plan_buckets(batch.cu_seqlens.tolist())
+    got = getattr(out["packed_seq_params"], BUCKETS_ATTR)
+    assert [b.tolist() for b in got] == [b.tolist() for b in want]
+    assert [out[n] is None for n in BUCKET_NAMES] == [i >= len(want) for i in range(MAX_BUCKETS)]
+    assert Documents.from_params(out["packed_seq_params"], total=128).buckets is got
+
+
+def test_with_bucket_plan_reads_padded_boundaries() -> None:
+    values = {"cu_seqlens": torch.tensor([0, 3, 5]), "cu_seqlens_padded": torch.tensor([0, 8, 16])}
+    out = with_bucket_plan(values)
+    assert out[BUCKET_NAMES[0]].tolist() == [[0, 1, 2, 16, 16, 16, 16, 16], [8, 9, 16, 16, 16, 16, 16, 16]]  # fmt: skip
+    assert all(out[n] is None for n in BUCKET_NAMES[1:])
+    params = make_packed_seq_params(values["cu_seqlens"], values["cu_seqlens_padded"], 8,
+                                    buckets=(out[BUCKET_NAMES[0]],))  # fmt: skip
+    assert getattr(params, BUCKETS_ATTR)[0] is out[BUCKET_NAMES[0]]

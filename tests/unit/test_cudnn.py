@@ -1,0 +1,221 @@
+"""The cudnn backend's host side (megapack.attention.cudnn): shape classes, the per-micro-batch
+offsets, the graphs megapack describes to cuDNN (checked against the installed frontend's own
+signatures, on CPU), the reasons it cannot run, and ``auto``'s fallback when a graph cannot be
+built. Running the graphs needs an sm90 GPU: the kit (scripts/gpu_check.sh) does that."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+
+from megapack.attention import choice
+from megapack.attention.choice import Installed, choose, preference, refusal
+from megapack.attention.cudnn import (
+    UIDS,
+    CudnnUnavailable,
+    GraphShape,
+    batch_class,
+    describe,
+    frontend,
+    offsets_of,
+    seqlen_class,
+    unavailable,
+)
+from megapack.attention.documents import Documents
+from megapack.attention.kernels import KERNELS, attend
+from megapack.attention.varlen import VarlenForm
+from megapack.core.static import StaticShape, pad_static
+
+BF16 = torch.bfloat16
+V211 = VarlenForm(causal="window_size", scale=True, enable_gqa=False)
+
+
+def hopper(**changes: object) -> Installed:
+    fields = {"cuda": True, "flash_attn": False, "te": False, "varlen": V211, "flex": True,
+              "cudnn_frontend": True, "cudnn_version": 91900, "sm": 90}  # fmt: skip
+    return Installed(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+def shape(**changes: object) -> GraphShape:
+    base = {"batch": 4, "seqlen": 64, "heads": 4, "groups": 2, "dim": 64, "dim_v": 64,
+            "total": 16, "dtype": BF16, "scale": 0.125, "device": 0, "deterministic": False}  # fmt: skip
+    return GraphShape(**{**base, **changes})  # type: ignore[arg-type]
+
+
+def test_shape_classes() -> None:
+    assert [batch_class(n) for n in (0, 1, 2, 3, 5, 17, 82)] == [1, 1, 2, 4, 8, 32, 128]
+    got = [seqlen_class(n) for n in (1, 64, 65, 3000, 4096, 4097)]
+    assert got == [64, 64, 80, 3072, 4096, 4608]
+
+
+def test_a_static_shape_is_one_graph_class_whatever_the_documents() -> None:
+    static = StaticShape(max_segments=18, max_seqlen=4096)
+    classes = set()
+    for cu in ([0, 100, 4096], [0, 1, 2, 3, 4096], [0, 4000, 4096, 8192]):
+        values = pad_static({"cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+                             "cu_seqlens_padded": None, "max_seqlen": 4000}, static)  # fmt: skip
+        n = values["cu_seqlens"].shape[0] - 1
+        classes.add((batch_class(n), seqlen_class(values["max_seqlen"])))
+    assert classes == {(32, 4096)}
+
+
+def test_offsets_worked_example_padding_gqa_and_extra_documents() -> None:
+    docs = Documents(torch.tensor([0, 3, 5]), torch.tensor([0, 4, 8]), 4, 8)  # padded buffer
+    off = offsets_of(docs, shape(batch=4, heads=4, groups=2, dim=8, dim_v=8))
+    assert off.q.shape == (5, 1, 1, 1) and off.q.dtype == torch.int64
+    assert off.q.flatten().tolist() == [0, 128, 256, 256, 256]  # buffer x 4 heads x 8
+    assert off.kv.flatten().tolist() == [0, 64, 128, 128, 128]  # x 2 groups x 8
+    assert off.o is off.q and off.v is off.kv
+    assert off.lengths.dtype == torch.int32 and off.lengths.flatten().tolist() == [3, 2, 0, 0]
+    assert offsets_of(docs, shape(batch=4, heads=4, groups=2, dim=8, dim_v=8)) is off  # memo
+    wide_v = offsets_of(docs, shape(batch=2, heads=4, groups=2, dim=8, dim_v=16))
+    assert wide_v.v.flatten().tolist() == [0, 128, 256] and wide_v.o.flatten().tolist() == [
+        0,
+        256,
+        512,
+    ]
+
+
+def test_unavailable_names_why_on_this_machine() -> None:
+    assert unavailable(torch.device("cpu"), BF16) == "cudnn runs on CUDA only"
+    with pytest.raises(CudnnUnavailable, match="cudnn runs on CUDA only"):
+        KERNELS["cudnn"](*(torch.zeros(4, 2, 8) for _ in range(3)),
+                         Documents(torch.tensor([0, 4]), torch.tensor([0, 4]), 4, 4), 0.3, 0.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "changes,dtype,dropout,why",
+    [
+        ({}, BF16, 0.0, None),
+        ({"cudnn_frontend": False}, BF16, 0.0, "nvidia-cudnn-frontend is not installed"),
+        ({"sm": 80}, BF16, 0.0, "needs sm90 or newer, this GPU is sm80"),
+        ({"cudnn_version": 90500}, BF16, 0.0, "cuDNN 90500 is older than 9.6"),
+        (
+            {},
+            torch.float32,
+            0.0,
+            "cudnn is cuDNN's fused attention and takes float16/bfloat16 only",
+        ),
+        ({}, BF16, 0.1, "cudnn has no attention dropout"),
+    ],
+)
+def test_refusal_reasons(
+    changes: dict, dtype: torch.dtype, dropout: float, why: str | None
+) -> None:
+    got = refusal(
+        "cudnn", "cuda", dtype, training=True, dropout=dropout, installed=hopper(**changes)
+    )
+    assert got == why if why is None else why in got
+
+
+def test_auto_prefers_te_then_cudnn_then_bucketed_on_hopper_only() -> None:
+    assert preference("cuda", BF16, hopper())[:4] == ("te", "cudnn", "bucketed", "flash_attn")
+    assert preference("cuda", BF16, hopper(sm=80))[:3] == ("flash_attn", "te", "torch_varlen")
+    args = {"training": True, "dropout": 0.0}
+    assert choose("cuda", BF16, installed=hopper(te=True), **args)[0] == "te"
+    assert choose("cuda", BF16, installed=hopper(), **args)[0] == "cudnn"
+    name, why = choose("cuda", BF16, installed=hopper(cudnn_frontend=False), **args)
+    assert name == "torch_varlen" and "bucketed: no bucket plan delivered" in why
+    assert (
+        choose("cuda", BF16, installed=hopper(cudnn_frontend=False), planned=True, **args)[0]
+        == "bucketed"
+    )
+    assert choose("cuda", BF16, installed=hopper(sm=80), **args)[0] == "torch_varlen"
+    assert choose("cuda", BF16, installed=hopper(), excluded=frozenset({"cudnn"}), planned=True, **args)[0] == "bucketed"  # fmt: skip
+
+
+def test_auto_falls_back_once_when_a_graph_cannot_be_built(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cuDNN refusal found only at run time: auto takes the next backend, logs it once, and
+    never tries cudnn again in this process; an explicit cudnn raises cuDNN's reason."""
+    calls = []
+
+    def refusing(*args: object) -> torch.Tensor:
+        calls.append(1)
+        raise CudnnUnavailable("cuDNN cannot build the forward graph for GraphShape(...): nope")
+
+    monkeypatch.setitem(KERNELS, "cudnn", refusing)
+    monkeypatch.setattr(choice, "_failed", {})
+    monkeypatch.setattr(choice, "_installed", lambda: Installed(
+        cuda=False, flash_attn=False, te=False, varlen=None, flex=False))  # fmt: skip
+    q = torch.randn(8, 2, 4)
+    docs = Documents(torch.tensor([0, 3, 8]), torch.tensor([0, 3, 8]), 5, 8)
+    with caplog.at_level(logging.WARNING, logger="megapack.attention"):
+        for _ in range(2):
+            ran, out = attend("cudnn", q, q, q, docs, 0.5, 0.0, auto=True, training=False)
+            assert ran == "bucketed"
+            torch.testing.assert_close(out, KERNELS["sdpa"](q, q, q, docs, 0.5, 0.0))
+    warnings = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert warnings == ["attention backend cudnn cannot run here, falling back: cuDNN cannot build "
+                        "the forward graph for GraphShape(...): nope"]  # fmt: skip
+    assert choice._failed == {
+        "cudnn": "cuDNN cannot build the forward graph for GraphShape(...): nope"
+    }
+    with pytest.raises(
+        ValueError, match="attention backend 'cudnn' cannot run here: cuDNN cannot build"
+    ):
+        attend("cudnn", q, q, q, docs, 0.5, 0.0, auto=False, training=False)
+
+
+needs_frontend = pytest.mark.skipif(
+    frontend() is None, reason="nvidia-cudnn-frontend not installed"
+)
+
+
+def _backend_parameters(op: str) -> set[str]:
+    """The keyword names the installed frontend's C++ builder takes for ``op``."""
+    doc = getattr(frontend()._pybind_module.backend_graph, op).__doc__
+    header = doc.split("\n", 1)[0]
+    return set(re.findall(r"(\w+): ", header)) - {"self"}
+
+
+@needs_frontend
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_described_graphs_use_the_frontends_own_parameters(kind: str) -> None:
+    """The graph as megapack asks for it: ragged [B, H, S, D] views of THD tensors, padding mask
+    of real lengths, causal (top-left, right bound 0), every kwarg one the frontend defines."""
+    module = frontend()
+    s = shape(batch=8, seqlen=128, heads=16, groups=4, dim=128, dim_v=128, total=1024)
+    graph, uids = describe(module, kind, s, handle=None)
+    (node,) = graph.nodes
+    op = "sdpa" if kind == "forward" else "sdpa_backward"
+    assert set(node.params) | set(node.inputs) <= _backend_parameters(op) | {"_dropout_n"}
+    params = node.params
+    assert params["use_padding_mask"] is True and params["diagonal_band_right_bound"] == 0
+    assert params["diagonal_alignment"] == module.diagonal_alignment.TOP_LEFT
+    assert params["max_total_seq_len_q"] == 1024 and params["attn_scale"] == 0.125
+    q = node.inputs["q"]
+    assert q.dim == [8, 16, 128, 128] and q.stride == [128 * 16 * 128, 128, 16 * 128, 1]
+    assert q.ragged_offset.uid == UIDS["q_offsets"] and q.ragged_offset.dim == [9, 1, 1, 1]
+    k = node.inputs["k"]
+    assert k.dim == [8, 4, 128, 128] and k.stride == [128 * 4 * 128, 128, 4 * 128, 1]
+    assert node.inputs["seq_len_q"].uid == UIDS["lengths"] and node.inputs["seq_len_q"].dim == [
+        8,
+        1,
+        1,
+        1,
+    ]
+    # per-document lengths (every cuDNN >= 9.6), not cu_seq_len_q (cuDNN 9.24+ only)
+    assert "cu_seq_len_q" not in node.inputs
+    outputs = {t.uid: t for t in node.outputs.values()}
+    if kind == "forward":
+        assert params["generate_stats"] is True
+        assert outputs[UIDS["o"]].ragged_offset.uid == UIDS["o_offsets"]
+        assert outputs[UIDS["stats"]].dim == [8, 16, 128, 1]
+    else:
+        assert params["use_deterministic_algorithm"] is False
+        assert {UIDS["dQ"], UIDS["dK"], UIDS["dV"]} <= set(outputs)
+        assert outputs[UIDS["dK"]].dim == [8, 4, 128, 128]
+        assert node.inputs["dO"].ragged_offset.uid == UIDS["o_offsets"]
+    assert set(uids) == set(UIDS)
+
+
+@needs_frontend
+def test_the_frontend_is_the_pinned_release() -> None:
+    from megapack.attention.cudnn import FRONTEND_PIN
+
+    assert frontend().__version__ == FRONTEND_PIN
