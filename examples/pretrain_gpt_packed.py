@@ -12,9 +12,10 @@ mode packs them into rows of ``--seq-len`` tokens with megapack.packing.plan (be
 padded mode puts one per row. It prints the loss and real (non-padding) tokens per second.
 
 With ``--cp N`` every CP rank holds 1/N of each row (``--cp-layout document`` pads every document
-to a multiple of 2*N; ``row`` needs only the row length to divide by 2*N). The loss of a CP rank is
-its share of the micro-batch mean (megapack.megatron.loss.masked_mean_loss); without megatron-core's DDP
-here, gradients are averaged over the CP group by hand, as DDP does over dp x cp.
+to a multiple of 2*N; ``row`` needs only the row length to divide by 2*N). The loss is each
+micro-batch's mean over its trained tokens (megapack.megatron.normalized_loss, mode
+"micro_batch_mean"); a CP rank's is its share of that mean. Without megatron-core's DDP here,
+gradients are averaged over the CP group by hand, as DDP does over dp x cp.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import megapack
 from megapack.core.quiet import quiet_megatron
 from megapack.harness.gpt import packed_micro_batch, padded_micro_batch
 from megapack.megatron import packed_gpt_layer_spec
-from megapack.megatron.loss import masked_mean_loss
+from megapack.megatron.loss import normalized_loss
 from megapack.packing import plan
 
 
@@ -130,7 +131,13 @@ def forward_step(
         labels=batch["labels"], packed_seq_params=batch["packed_seq_params"],
     )  # fmt: skip
     cp_group = topology.cp_group if topology.cp_size > 1 else None
-    return output, functools.partial(masked_mean_loss, batch["loss_mask"], cp_group=cp_group)
+    return output, functools.partial(
+        normalized_loss,
+        batch,
+        mode="micro_batch_mean",
+        calculate_per_token_loss=False,
+        cp_group=cp_group,
+    )
 
 
 def main() -> None:
@@ -189,10 +196,13 @@ def main() -> None:
                     dist.all_reduce(p.grad, group=topology.cp_group)
                     p.grad /= topology.cp_size
         optimizer.step()
-        loss = torch.tensor(
-            [np.mean([r["lm loss"].item() for r in reduced]) if reduced else 0.0],
-            dtype=torch.float64,
-        )
+        # each report is [sum, count]: summed over micro-batches and CP, as Megatron-LM's train_step
+        report = torch.zeros(2, dtype=torch.float64, device="cuda" if cuda else "cpu")
+        for r in reduced:
+            report += r["lm loss"].double()
+        if topology.cp_size > 1 and reduced:
+            dist.all_reduce(report, group=topology.cp_group)
+        loss = (report[0] / report[1].clamp(min=1.0)).reshape(1)
         dist.all_reduce(loss, op=dist.ReduceOp.MAX)  # only the last stage has a loss; others send 0
         elapsed = time.perf_counter() - start
         if rank0:

@@ -38,7 +38,7 @@ WORK = ROOT / ".mutation" / "run"
 """Where mutmut works (``--work`` elsewhere, e.g. to keep two runs); ignored by git."""
 
 _ITEMS_TESTS = [
-    "tests/unit/test_normalize.py",
+    "tests/unit/test_intake.py",
     "tests/unit/test_rows.py",
     "tests/unit/test_megatron_batches.py",
     "tests/unit/test_fields.py",
@@ -46,7 +46,7 @@ _ITEMS_TESTS = [
     "tests/unit/test_batch.py",
     "tests/unit/test_wire.py",
 ]
-"""What a Megatron dict or a PackedBatch becomes (`normalize`, `merge_rows`) is checked there."""
+"""What a Megatron dict or a PackedBatch becomes (`to_batch`, `merge_rows`) is checked there."""
 
 TESTS: dict[str, list[str]] = {
     "megapack/core/loss_fields.py": ["tests/unit/test_loss_fields.py"],
@@ -58,8 +58,8 @@ TESTS: dict[str, list[str]] = {
         "tests/unit/test_data_convert.py",
         "tests/unit/test_data_jsonl.py",
     ],
-    "megapack/data/layout.py": [
-        "tests/unit/test_data_layout.py",
+    "megapack/data/packed_dir.py": [
+        "tests/unit/test_data_packed_dir.py",
         "tests/unit/test_data_dataset.py",
         "tests/unit/test_data_pack_writer.py",
     ],
@@ -79,7 +79,7 @@ TESTS: dict[str, list[str]] = {
         "tests/unit/test_megatron_batches.py",
         "tests/unit/test_rows.py",
     ],
-    "megapack/core/normalize.py": _ITEMS_TESTS,
+    "megapack/core/intake.py": _ITEMS_TESTS,
     "megapack/core/rows.py": _ITEMS_TESTS,
     "megapack/core/fields.py": ["tests/unit/test_fields.py", "tests/unit/test_wire.py"],
     "megapack/core/extras.py": [
@@ -87,7 +87,7 @@ TESTS: dict[str, list[str]] = {
         "tests/unit/test_fields.py",
         "tests/unit/test_batch.py",
     ],
-    "megapack/core/cp_share.py": ["tests/unit/test_cp_indices.py", "tests/unit/test_cp_share.py"],
+    "megapack/core/cp_share.py": ["tests/unit/test_cp_share_indices.py", "tests/unit/test_cp_share.py"],
     "megapack/core/seq_params.py": [
         "tests/unit/test_seq_params.py",
         "tests/unit/test_megatron_batches.py",
@@ -96,7 +96,7 @@ TESTS: dict[str, list[str]] = {
         "tests/unit/test_batch.py",
     ],
     "megapack/delivery/wire.py": ["tests/unit/test_wire.py"],
-    "megapack/delivery/link.py": ["tests/unit/test_link_io.py"],
+    "megapack/delivery/link.py": ["tests/unit/test_link.py"],
     "megapack/delivery/link_setup.py": ["tests/unit/test_link_setup.py"],
     "megapack/delivery/transport.py": [
         "tests/unit/test_transport.py",
@@ -107,7 +107,7 @@ TESTS: dict[str, list[str]] = {
         "tests/unit/test_get_batch_one_rank.py",
         "tests/unit/test_megatron_batches.py",
     ],
-    "megapack/delivery/prefetch.py": ["tests/unit/test_prefetch_thread.py"],
+    "megapack/delivery/prefetch.py": ["tests/unit/test_prefetch.py"],
 }
 """Module (glob) -> its tests (globs), where the test file's name does not say it."""
 

@@ -3,23 +3,26 @@ cp_share, quiet, capture, buckets and seq_params only.
 
 Modules:
 
-    packed.py     `PackedAttention`, megatron-core's ``core_attention`` for THD batches
-    functional.py `packed_attention`: the same attention as a function of q, k, v and boundaries
-    choice.py     `BACKENDS`, which backend runs where (`choose_backend`, `resolve_backend`)
-    documents.py  `Documents`: a micro-batch's boundaries and what is derived from them, once
-    kernels.py    the single-row kernels (`KERNELS`)
-    varlen.py     torch's varlen_attn in each released form (found from its signature)
-    flex.py       flex_attention: one block mask per micro-batch, one compiled kernel
-    te.py         Transformer Engine's THD attention
-    cp.py         context-parallel attention: K/V all-gather (cp_plan.py: the segment plan,
-                  cp_kernels.py: its kernels)
-    rope.py       rotary position embedding from each token's position in its document
+    packed.py        `PackedAttention`, megatron-core's ``core_attention`` for THD batches
+    functional.py    `packed_attention`: the same attention as a function of q, k, v and boundaries
+    choice.py        `BACKENDS`, which backend runs where (`resolve_backend`, ``auto``'s rule
+                     `choose`, run-time `fallback`)
+    documents.py     `Documents`: a micro-batch's boundaries and what is derived from them, once
+    kernels.py       the single-row kernels (`KERNELS`) and `attend`, which runs one
+    varlen.py        torch's varlen_attn in each released form (found from its signature)
+    flex.py          flex_attention: one block mask per micro-batch, one compiled kernel
+    te.py            Transformer Engine's THD attention
+    cudnn.py         cuDNN's fused attention over ragged THD tensors (cudnn-frontend)
+    bucketed.py      the documents in a few dense batches by length, one SDPA call each
+    cp_attention.py  context-parallel attention: K/V all-gather (cp_plan.py: the segment plan,
+                     cp_kernels.py: its kernels)
+    rope.py          rotary position embedding from each token's position in its document
 
 Never imports the delivery (`megapack.delivery`) or megapack's process-group code (the layers:
 tests/unit/test_layering.py); megatron-core only lazily, inside calls.
 """
 
-from megapack.attention.choice import BACKENDS, backend_available, choose_backend, resolve_backend
+from megapack.attention.choice import BACKENDS, backend_available, resolve_backend
 from megapack.attention.documents import Documents
 from megapack.attention.functional import packed_attention
 from megapack.attention.kernels import KERNELS
@@ -31,7 +34,6 @@ __all__ = [
     "Documents",
     "PackedAttention",
     "backend_available",
-    "choose_backend",
     "packed_attention",
     "resolve_backend",
 ]

@@ -11,8 +11,8 @@
     flex          compiled flex_attention + block mask     CUDA; CPU forward only (no CPU backward)
     sdpa          scaled_dot_product_attention per doc     anywhere, any dtype: the reference
 
-``backend="auto"`` (`choose`) takes the first backend of `preference` that is installed and takes
-the inputs:
+`resolve_backend` is the one function that names the backend to run: ``backend="auto"`` takes the
+first backend of `preference` that is installed and takes the inputs (`choose`, the pure rule):
 
     CUDA sm90+, float16/bfloat16   te, cudnn, bucketed, flash_attn, torch_varlen, flex, sdpa
     other CUDA, float16/bfloat16   flash_attn, te, torch_varlen, flex, bucketed, sdpa
@@ -25,7 +25,7 @@ an H200, torch 2.11): te and cudnn reach them for THD directly, bucketed through
 (which pick them), at the cost of padding each document to its length class. flash_attn is FA2,
 no faster there than torch varlen. On CUDA, ``auto`` takes bucketed only when the batch brought its
 plan (``fields=megapack.BUCKET_FIELDS``): without it every micro-batch would read its boundaries on
-the host (a device sync). It never picks a kernel that refuses the inputs, and `choose_backend`
+the host (a device sync). It never picks a kernel that refuses the inputs, and `resolve_backend`
 logs the choice once per (device, dtype, training, dropout) on the ``megapack.attention`` logger
 with the reasons, e.g.::
 
@@ -241,22 +241,17 @@ def choose(
     return "sdpa", ", ".join(skipped)  # everything else excluded: the reference takes anything
 
 
-def choose_backend(
+def _auto(
     device: torch.device | str,
     dtype: torch.dtype,
     *,
     training: bool,
-    dropout: float = 0.0,
-    planned: bool = False,
-    excluded: frozenset[str] = frozenset(),
+    dropout: float,
+    planned: bool,
+    excluded: frozenset[str],
 ) -> str:
-    """The backend ``backend="auto"`` runs here for ``dtype`` tensors on ``device`` (logged once);
-    never one of ``excluded`` or of the backends that failed here (`fallback`).
-
-    Example:
-        >>> choose_backend("cpu", torch.float32, training=True)
-        'bucketed'
-    """
+    """What ``backend="auto"`` runs here (logged once): `choose` over what is installed, never one
+    of ``excluded`` or of the backends that failed here (`fallback`)."""
     device_type = torch.device(device).type
     name, why = choose(
         device_type,
@@ -282,7 +277,9 @@ def fallback(failed: str, reason: str, device: torch.device | str, dtype: torch.
     if failed not in _failed:
         _failed[failed] = reason
         logger.warning("attention backend %s cannot run here, falling back: %s", failed, reason)
-    return choose_backend(device, dtype, training=training, dropout=dropout, planned=planned)
+    return resolve_backend(
+        "auto", device, training=training, dropout=dropout, dtype=dtype, planned=planned
+    )
 
 
 def resolve_backend(
@@ -293,10 +290,36 @@ def resolve_backend(
     dropout: float = 0.0,
     dtype: torch.dtype = torch.float32,
     planned: bool = False,
+    excluded: frozenset[str] = frozenset(),
 ) -> str:
-    """The backend to run: ``backend`` itself when it takes the inputs, else a ValueError; 'auto' chooses."""
+    """The attention backend to run for ``dtype`` tensors on ``device``.
+
+    Args:
+        backend: one of `BACKENDS`, or ``"auto"``: the first of `preference` that is installed
+            and takes the inputs (the choice and its reasons logged once).
+        training: the backward will run.
+        dropout: the attention dropout probability.
+        planned: the batch brought its bucket plan (on CUDA ``auto`` takes ``bucketed`` only then).
+        excluded: backends ``auto`` must not pick (e.g. `NO_CONTEXT_PARALLEL` under CP); the ones
+            that failed in this process (`fallback`) are never picked either.
+
+    Returns:
+        ``backend`` itself when it takes the inputs, or ``auto``'s choice.
+
+    Raises:
+        ValueError: an unknown backend, or one that cannot take the inputs (naming why and what
+            ``auto`` would run).
+
+    Example:
+        >>> resolve_backend("auto", "cpu", training=True)
+        'bucketed'
+        >>> resolve_backend("sdpa", "cpu", training=True, dtype=torch.bfloat16)
+        'sdpa'
+    """
     if backend == "auto":
-        return choose_backend(device, dtype, training=training, dropout=dropout, planned=planned)
+        return _auto(
+            device, dtype, training=training, dropout=dropout, planned=planned, excluded=excluded
+        )
     device_type = torch.device(device).type
     why = refusal(
         backend, device_type, dtype, training=training, dropout=dropout, installed=_installed()

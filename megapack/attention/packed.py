@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapack.attention.choice import BACKENDS, NO_CONTEXT_PARALLEL, choose_backend, resolve_backend
+from megapack.attention.choice import BACKENDS, NO_CONTEXT_PARALLEL, resolve_backend
 from megapack.attention.cp_attention import cp_attention, sbhd_cp_attention
 from megapack.attention.cp_plan import plan_for
 from megapack.attention.documents import Documents
@@ -222,8 +222,14 @@ class PackedAttention(torch.nn.Module):
                     f"context_parallel_size > 1 use 'te' (cuDNN with its own CP), 'torch_varlen', "
                     "'flash_attn', 'flex' or 'sdpa', or backend='auto'"
                 )
-            name = choose_backend(q.device, q.dtype, training=q.requires_grad or k.requires_grad,
-                                  dropout=dropout, excluded=NO_CONTEXT_PARALLEL)  # fmt: skip
+            name = resolve_backend(
+                "auto",
+                q.device,
+                training=q.requires_grad or k.requires_grad,
+                dropout=dropout,
+                dtype=q.dtype,
+                excluded=NO_CONTEXT_PARALLEL,
+            )
         if name == "te" and self.cp_layout != "document":
             raise ValueError(
                 f"Transformer Engine's THD context parallelism needs cp_layout='document', got "

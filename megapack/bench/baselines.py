@@ -1,4 +1,4 @@
-"""Fair baselines, timed fairly: the modes of `megapack.bench.layouts` interleaved step by step
+"""Fair baselines, timed fairly: the modes of `megapack.bench.modes` interleaved step by step
 (`interleave`) and summarized against packing (`summarize`). One module for `megapack bench` and
 the GPU kit.
 
@@ -11,7 +11,7 @@ Each measured mode is a row: ``config`` (what the modes share, e.g. ``"openchat,
 ``mode``, ``status`` ("ok" when timed), ``step_times`` (seconds of each timed step); of the mode's
 whole layout of the step's documents (the same documents in every mode): ``tokens``, ``slots``,
 ``useful_flops``, ``executed_flops``; and of what a step runs, where a context baseline runs a
-sample of its micro-batches (`megapack.bench.layouts.timed`): ``timed_tokens``,
+sample of its micro-batches (`megapack.bench.modes.timed`): ``timed_tokens``,
 ``timed_useful_flops``, ``timed_executed_flops`` (absent: the whole layout ran).
 
 `summarize` gives one entry per (config, baseline):
@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from megapack.bench.gpu.report import THROUGHPUT_KEYS
-from megapack.bench.layouts import BASELINES, LABELS
+from megapack.bench.modes import BASELINES, LABELS
 
 NOISY = 0.10
 """A ratio whose (max - min) / median exceeds this is noisy; a target on it is too noisy to judge."""

@@ -1,8 +1,8 @@
 """Context-parallel padding benchmark: what each CP layout costs in padding and rows.
 
 The "document" layout (Transformer Engine's fused THD CP attention) needs every document padded
-to a multiple of 2 * cp; rows are then planned on the padded lengths (`megapack.core.cp_share.cp_pad_multiple`,
-as `PackedDataset(cp_size=...)` does). The "row" layout (Megatron-LM's per-sequence balancing)
+to a multiple of 2 * cp; rows are then planned on the padded lengths (`PackOptions(cp_size=...)`,
+as `PackedDataset` and ``megapack pack`` do). The "row" layout (Megatron-LM's per-sequence balancing)
 needs only the row length to divide by 2 * cp, which any seq_len of a power of two does: no
 padding beyond packing. Reported per layout and cp: padding tokens (and their share of the real
 tokens), rows (BFD), and efficiency = real tokens / (rows x seq_len), next to plain packing (cp 1).
@@ -22,8 +22,7 @@ def run_cp_padding(
     lengths: Sequence[int], seq_len: int, cps: Sequence[int] = CP_SIZES
 ) -> list[dict[str, Any]]:
     """One row for plain packing (layout "none", cp 1), then one per layout and cp."""
-    from megapack.core.cp_share import cp_pad_multiple
-    from megapack.packing import plan
+    from megapack.packing import PackOptions, plan
 
     real = np.asarray(lengths, dtype=np.int64)
     total = int(real.sum())
@@ -32,10 +31,10 @@ def run_cp_padding(
     for cp in cps:
         if seq_len % (2 * cp):
             raise ValueError(f"seq_len={seq_len} is not a multiple of 2*cp={2 * cp}")
-        multiple = cp_pad_multiple(cp)
-        padded = -(-real // multiple) * multiple
-        bins = plan(padded, seq_len, algorithm="bfd").num_bins
-        rows.append(_row("document", cp, int(padded.sum()) - total, bins, total, seq_len, base))
+        padded = plan(real, PackOptions(seq_len=seq_len, cp_size=cp))  # "document" layout
+        rows.append(
+            _row("document", cp, padded.padding_tokens, padded.num_bins, total, seq_len, base)
+        )
         rows.append(_row("row", cp, 0, base, total, seq_len, base))
     return rows
 

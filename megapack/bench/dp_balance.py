@@ -53,6 +53,7 @@ def long_tail_lengths(n: int, seed: int = 0) -> np.ndarray:
 
 def run_balance(lengths: list[int], long_tail_n: int, seed: int = 0) -> list[dict[str, Any]]:
     """Both plans for every (dataset, dp, cost); the target verdict on OpenChat at dp 8."""
+    from megapack.packing import LoadOptions, PackOptions
     from megapack.packing.compare import compare_plans
 
     datasets = {"openchat": np.asarray(lengths), "long-tail": long_tail_lengths(long_tail_n, seed)}
@@ -60,8 +61,9 @@ def run_balance(lengths: list[int], long_tail_n: int, seed: int = 0) -> list[dic
     for name, values in datasets.items():
         for dp in (2, 8):
             for cost_name, cost in costs().items():
+                packing = PackOptions(seq_len=OPENCHAT_CAP, seed=seed)
                 r = compare_plans(
-                    values, OPENCHAT_CAP, dp_size=dp, micro_batches=4, cost=cost, seed=seed
+                    values, packing, LoadOptions(dp_size=dp, micro_batches=4, cost=cost)
                 )
                 token, compute = r["imbalance_token_plan"], r["imbalance_compute_plan"]
                 target = max(TARGET_IMBALANCE, 1 + (token - 1) / 2)
@@ -107,7 +109,7 @@ def run_balance_timing(
 
     from megapack.core.batch import PackedBatch
     from megapack.distributed.topology import Topology
-    from megapack.packing import plan
+    from megapack.packing import LoadOptions, plan
     from megapack.packing.balance import order_rows, rank_costs
 
     tiny_gpt, forward_step, init_weights, megatron_on_cpu = _model_kit()
@@ -173,21 +175,20 @@ def run_balance_timing(
     costs_by_name = {"tiny-gpt FLOPs": flops}
     if fit[1] > 0:
         costs_by_name["fitted to these timings"] = CostModel(a=float(fit[0]), b=float(fit[1]))
-    layout: dict[str, int] = {"dp_size": dp, "micro_batches": micro_batches}
-    per_batch = dp * micro_batches
+    deal = LoadOptions(dp_size=dp, micro_batches=micro_batches)
+    per_batch = deal.rows_per_step
     out: list[dict[str, Any]] = []
     for name, cost in [("", flops), *costs_by_name.items()]:
         mode = "token" if not name else "compute"
         if name.startswith("fitted"):
             name += f" (a={cost.a:.2e} s, b={cost.b:.2e} s)"
         row_costs = cost.bin_costs(packed.slices, packed.bin_offsets)
-        order = order_rows(
-            row_costs, balance=mode, dp_size=dp, micro_batches=micro_batches, seed=seed
-        )
+        mode_deal = LoadOptions(dp_size=dp, micro_batches=micro_batches, balance=mode, cost=cost)
+        order = order_rows(row_costs, mode_deal, seed=seed)
         step_time = np.where(order >= 0, measured[order], measured[-1])
         per_rank = step_time.reshape(-1, micro_batches, dp).sum(axis=1)  # [steps, dp]
         full = len(packed.bin_offsets[:-1]) // per_batch
-        model = rank_costs(order, flops.bin_costs(packed.slices, packed.bin_offsets), **layout)
+        model = rank_costs(order, flops.bin_costs(packed.slices, packed.bin_offsets), deal)
         out.append(
             {
                 "mode": mode,

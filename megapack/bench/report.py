@@ -96,7 +96,7 @@ def _transfer(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
 
 
 def throughput_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
-    """Packing against each baseline of `megapack.bench.layouts`, the GPU kit's columns on CPU
+    """Packing against each baseline of `megapack.bench.modes`, the GPU kit's columns on CPU
     (`megapack.bench.baselines.summarize`), then how each step was laid out and timed and which
     attention backend packing trained with; no target on CPU times."""
     from megapack.bench.baselines import summarize
@@ -144,10 +144,10 @@ def _steps_note(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
     note = (
         f"Ratios: the median of {steps} timed steps [min, max], the modes interleaved step by step."
     )
-    layouts = []
+    windows = []
     for r in rows:
         if r.get("mode") == "packed" and "pool" in r:
-            layouts.append(
+            windows.append(
                 f"{r['dataset']}: {r['micro_batches']} packed micro-batches ({r['documents']} "
                 f"documents, {r['fill']:.1%} full) from a plan over {r['pool']:,}"
             )
@@ -158,8 +158,8 @@ def _steps_note(rows: list[dict[str, Any]], settings: dict[str, Any]) -> str:
             if r.get("timed_micro_batches", r.get("micro_batches")) != r.get("micro_batches")
         }
     )
-    if layouts:
-        note += " A step: " + "; ".join(layouts) + ", every mode over the same documents."
+    if windows:
+        note += " A step: " + "; ".join(windows) + ", every mode over the same documents."
     if sampled:
         note += " Timed on their first micro-batches: " + ", ".join(sampled) + "."
     return note
@@ -280,7 +280,7 @@ def plots(results: dict[str, Any], directory: str) -> list[Path]:
     if results["throughput"]:
         fig, ax = plt.subplots(figsize=(7, 4))
         datasets = sorted({r["dataset"] for r in results["throughput"]})
-        from megapack.bench.layouts import MODES as modes
+        from megapack.bench.modes import MODES as modes
 
         width = 0.8 / len(modes)
         for i, mode in enumerate(modes):

@@ -3,7 +3,7 @@
 Runs on every rank of a tp x pp grid (megatron-core ``parallel_state``), training megapack's tiny
 GPT (`megapack.harness.gpt.TinyGPT`, `packed_gpt_layer_spec`) through megatron-core's schedule with
 batches from `megapack.get_batch_on_this_tp_rank`. A step is a window of a plan over a pool of
-documents (`megapack.bench.layouts.plan_step`), laid out in every mode of `megapack.bench.layouts`
+documents (`megapack.bench.modes.plan_step`), laid out in every mode of `megapack.bench.modes`
 (packed; padded to seq; length-grouped with the step sorted once and packing's token budget; the
 ceiling of one document per row on packing's THD path; the weak "padded to the longest"), the
 modes timed step by step in turn (`megapack.bench.baselines.interleave`), summarized with the GPU
@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from megapack.bench.baselines import interleave
 from megapack.bench.gpu.model import GptShape
-from megapack.bench.layouts import (
+from megapack.bench.modes import (
     MODES,
-    layout_cost,
     micro_batches,
+    mode_cost,
     plan_step,
     schedule_shape,
     timed,
@@ -61,7 +61,7 @@ def run_throughput(
     (the slowest rank's), the FLOPs and slots (`megapack.bench.baselines` summarizes them).
 
     ``datasets``: each a pool of document lengths; a step is ``micro_batches_per_step`` packed
-    micro-batches of ``rows`` rows from a plan over the pool (`megapack.bench.layouts.plan_step`).
+    micro-batches of ``rows`` rows from a plan over the pool (`megapack.bench.modes.plan_step`).
     """
     from megapack.core.quiet import quiet_megatron
 
@@ -147,15 +147,15 @@ def _run_throughput(
         step = plan_step(pool, seq_len, rows, window, seed=seed)
         rng = np.random.default_rng(seed)
         docs = [rng.integers(1, gpt.vocab_size, n) for n in step.lengths]
-        layouts = {m: micro_batches(m, docs, seq_len, rows, packing=step.packing) for m in MODES}
-        backend, why = choose_cpu_backend(model, functools.partial(one_step, layouts["packed"]))
-        runs = {m: functools.partial(one_step, timed(m, b, window)) for m, b in layouts.items()}
+        by_mode = {m: micro_batches(m, docs, seq_len, rows, packing=step.packing) for m in MODES}
+        backend, why = choose_cpu_backend(model, functools.partial(one_step, by_mode["packed"]))
+        runs = {m: functools.partial(one_step, timed(m, b, window)) for m, b in by_mode.items()}
         times, _ = interleave(runs, warmup=warmup, steps=steps, catch=False)
-        for mode, batches in layouts.items():
+        for mode, batches in by_mode.items():
             ran = timed(mode, batches, window)
             ran_lengths = timed_lengths(mode, step.lengths, rows, window)
             step_s = statistics.median(times[mode])
-            tokens, slots = sum(step.lengths), layout_cost(batches).slots
+            tokens, slots = sum(step.lengths), mode_cost(batches).slots
             thd = mode in ("packed", "ceiling")
             results.append(
                 {
@@ -170,10 +170,10 @@ def _run_throughput(
                     "slots": slots,
                     "efficiency": tokens / slots,
                     "useful_flops": shape.training_flops(step.lengths),
-                    "executed_flops": layout_cost(batches).executed_flops(shape),
+                    "executed_flops": mode_cost(batches).executed_flops(shape),
                     "timed_tokens": sum(ran_lengths),
                     "timed_useful_flops": shape.training_flops(ran_lengths),
-                    "timed_executed_flops": layout_cost(ran).executed_flops(shape),
+                    "timed_executed_flops": mode_cost(ran).executed_flops(shape),
                     "timed_micro_batches": len(ran),
                     "documents": len(docs),
                     "micro_batches": len(batches),

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from megapack.core.batch import PackedBatch
 from megapack.core.fields import BatchField, Stage, schema_of
-from megapack.core.normalize import normalize
+from megapack.core.intake import to_batch
 from megapack.delivery.get_batch import get_batch_on_this_tp_rank
 from megapack.delivery.prefetch import prefetch
 from megapack.delivery.transport import use_transport
@@ -95,7 +95,7 @@ def sample_batch(seq_len: int, seed: int = 0) -> PackedBatch:
 def payload_bytes(batch: PackedBatch, stage: Stage, fields: tuple[BatchField, ...] = ()) -> int:
     """Bytes of megapack's payload of ``batch`` for ``stage`` (`megapack.delivery.wire`)."""
     schema = schema_of(fields)
-    return encode(normalize(batch, schema), schema, stage)[0].nbytes
+    return encode(to_batch(batch, schema), schema, stage)[0].nbytes
 
 
 def with_rl_fields(batch: PackedBatch) -> PackedBatch:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from megapack.cli.flags import add_pack_flags, check_flags, packing_from
 from megapack.cli.input import (
     SHAPE_FLAGS,
     add_chat_arguments,
@@ -28,7 +29,7 @@ from megapack.cli.input import (
     reader_options,
     tokenizer_from,
 )
-from megapack.cli.pack_report import pack_report, plural
+from megapack.cli.pack_report import no_documents, pack_report, plural
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
@@ -81,37 +82,6 @@ def check_out(out: Path, *, resume: bool) -> Path:
     return staging
 
 
-def check_flags(args: argparse.Namespace) -> None:
-    """Every number a command takes, in the flag's own terms, before any input is read."""
-    from megapack.core.cp_pad import cp_pad_multiple
-
-    flags = {
-        "seq_len": "--seq-len",
-        "pad_to_multiple_of": "--pad-multiple",
-        "cp_size": "--cp-size",
-        "checkpoint_every": "--checkpoint-every",
-        "workers": "--workers",
-        "dp": "--dp",
-        "micro_batches": "--micro-batches",
-        "rows_per_micro_batch": "--rows-per-micro-batch",
-        "max_documents": "--max-documents",
-    }
-    for attr, flag in flags.items():
-        value = getattr(args, attr, None)
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be an integer >= 1, got {value}")
-    if getattr(args, "time_limit", None) is not None and not args.time_limit >= 0:
-        raise ValueError(f"--time-limit must be a number of seconds >= 0, got {args.time_limit}")
-    multiple = cp_pad_multiple(args.cp_size, args.pad_to_multiple_of)
-    if args.command == "pack" and args.seq_len % multiple:  # rows hold whole padded documents
-        why = (
-            f"--pad-multiple {args.pad_to_multiple_of}"
-            if args.cp_size == 1
-            else (f"lcm(--pad-multiple {args.pad_to_multiple_of}, 2 x --cp-size {args.cp_size})")
-        )
-        raise ValueError(f"--seq-len {args.seq_len} must be a multiple of {multiple} ({why})")
-
-
 def _tokenized_by(args: argparse.Namespace, tokenizer: Any, reader: Any) -> dict[str, Any]:
     """What ``meta.json`` records of the tokenizer: the one that read text input (its
     --tokenizer path, else megapack's byte tokenizer), none for token ids read as they are
@@ -128,6 +98,7 @@ def _pack(args: argparse.Namespace, out: Path, staging: Path) -> int:
 
     from megapack.cli.progress import Progress
     from megapack.data.pack_writer import PackWriter
+    from megapack.data.packed_dir import NothingToPack
 
     tokenizer = tokenizer_from(args.tokenizer, args.eos_token)
     options = reader_options(args)
@@ -137,17 +108,11 @@ def _pack(args: argparse.Namespace, out: Path, staging: Path) -> int:
     reader = open_reader(args, tokenizer, **options)  # a missing input fails here, before a write
     writer = PackWriter(
         staging,
-        args.seq_len,
-        pad_to_multiple_of=args.pad_to_multiple_of,
-        cp_size=args.cp_size,
-        algorithm=args.algorithm,
-        long_docs=args.long_docs,
-        seed=args.seed,
+        packing_from(args),
         pad_token_id=tokenizer.pad_id,
         config=config,
         resume=args.resume,
         checkpoint_every=args.checkpoint_every,
-        max_documents=args.max_documents,
         **_tokenized_by(args, tokenizer, reader),
     )
     record = "fields" in options or is_record_input(args.input)
@@ -167,8 +132,10 @@ def _pack(args: argparse.Namespace, out: Path, staging: Path) -> int:
     source = reader.batches() if hasattr(reader, "batches") else reader  # whole batches: faster
     try:
         meta = writer.write(source, position=position, on_progress=progress.update)
-    except BaseException:
+    except BaseException as exc:
         progress.close(done=False)
+        if isinstance(exc, NothingToPack):
+            raise ValueError(f"{args.input}: {no_documents(reader)}: nothing to pack") from exc
         raise
     progress.close()
     if out.is_dir():
@@ -240,21 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
             type=int,
             help="for 1-D .npy/.npz token arrays: the token id that ends each document",
         )
-        p.add_argument(
-            "--cp-size",
-            type=int,
-            default=1,
-            help="context-parallel size: pad documents to multiples of 2 x cp (with --pad-multiple: their lcm)",
-        )
-        p.add_argument(
-            "--pad-multiple",
-            "--pad-to-multiple-of",
-            dest="pad_to_multiple_of",
-            type=int,
-            default=1,
-            help="pad every document to a multiple of this (e.g. 8/16 for FP8 kernels); --seq-len "
-            "must be a multiple of it",
-        )
+        add_pack_flags(p, ("cp_size", "pad_to_multiple_of", "search_steps", "seed"))
 
     pack = sub.add_parser(
         "pack",
@@ -265,32 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     data_args(pack)
     pack.add_argument("--out", required=True, help="output directory")
-    from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
-
-    pack.add_argument(
-        "--algorithm",
-        default=ALGORITHMS[0],
-        choices=ALGORITHMS,
-        help="bin-packing algorithm: best-fit / first-fit decreasing, first-fit, next-fit "
-        "(streaming concat), or best (a search from bfd that never uses more rows)",
-    )
-    pack.add_argument(
-        "--long-docs",
-        default=LONG_DOC_POLICIES[0],
-        choices=LONG_DOC_POLICIES,
-        help="documents longer than --seq-len: split them (chat at message boundaries), keep "
-        "their first --seq-len tokens, drop them, or stop with an error",
-    )
-    pack.add_argument(
-        "--seed", type=int, default=0, help="seeds the packer and the per-epoch row shuffle"
-    )
-    pack.add_argument(
-        "--max-documents",
-        type=int,
-        metavar="N",
-        help="at most N documents (or pieces) a row, for static shapes a CUDA graph replays "
-        "(megapack stats suggests N)",
-    )
+    add_pack_flags(pack, ("algorithm", "long_docs", "max_documents"))
     pack.add_argument(
         "--resume",
         action="store_true",
@@ -312,17 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     data_args(stats)
     stats.add_argument("--plot", help="write a PNG histogram here")
-    stats.add_argument(
-        "--time-limit", type=float, default=10.0, help="seconds for the 'best' search"
-    )
     stats.add_argument("--json", help="write every figure as JSON here")
     bal = stats.add_argument_group(
         "data-parallel balance (token plan vs compute plan, megapack.packing.balance)"
     )
     bal.add_argument("--dp", type=int, help="data-parallel ranks")
     bal.add_argument("--micro-batches", type=int, help="micro-batches per rank per step")
-    bal.add_argument("--rows-per-micro-batch", type=int, default=1, help="rows per micro-batch")
-    bal.add_argument("--seed", type=int, default=0, help="seed of the shuffle")
+    bal.add_argument("--rows-per-micro-batch", type=int, help="rows per micro-batch (default 1)")
     for flag in (*SHAPE_FLAGS, "kv-heads"):
         bal.add_argument(f"--{flag}", type=int, help=f"model {flag} (cost model)")
     bal.add_argument("--gated", action="store_true", help="SwiGLU-style MLP (cost model)")

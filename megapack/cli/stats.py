@@ -8,25 +8,30 @@ Split from `megapack.cli`, which builds the parser; the input flags live in `meg
 from __future__ import annotations
 
 import argparse
-import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from megapack.cli.flags import packing_from
 from megapack.cli.input import SHAPE_FLAGS, read_lengths
 from megapack.cli.pack_report import plural
+from megapack.packing.options import PackOptions
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from megapack.core.cp_share import cp_pad_multiple
+    """Print (and with --json/--plot write, at the end) the figures of the module docstring.
+
+    Raises:
+        ValueError: an input with no documents (naming it; nothing is written), or bad flags.
+    """
     from megapack.packing import plan
 
+    options = packing_from(args)
     lengths, pieces, note = read_lengths(args)
-    multiple = cp_pad_multiple(args.cp_size, args.pad_to_multiple_of)
     if len(lengths) == 0:
-        print(f"{args.input}: no documents", file=sys.stderr)
-        return 1
+        raise ValueError(f"{args.input}: no documents in it" + (f" ({note})" if note else ""))
     figures: dict[str, Any] = {
         "input": args.input,
         "seq_len": args.seq_len,
@@ -47,11 +52,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
     for lo, hi, n in zip(edges, np.append(edges[1:], lengths.max() + 1), counts, strict=True):
         print(f"  {lo:>7,}-{hi - 1:<7,} {n:>8,} {'#' * int(40 * n / max(counts.max(), 1))}")
     real = int(lengths.sum())
-    planned = -(-pieces // multiple) * multiple  # pack's rows: long documents split, padded
+    multiple = options.multiple  # pack's rows: long documents split (`pieces`), each padded
+    padding = int((-pieces % multiple).sum())
     if multiple > 1:
         print(
             f"\ndocuments padded to multiples of {multiple} (cp_size={args.cp_size}, pad multiple "
-            f"{args.pad_to_multiple_of}): +{int(planned.sum()) - real:,} tokens ({int(planned.sum()) / real - 1:.2%}); "
+            f"{args.pad_to_multiple_of}): +{padding:,} tokens ({padding / real:.2%}); "
             "efficiency below counts real tokens only"
         )
     print(f"\npacking at seq_len {args.seq_len:,}")
@@ -61,14 +67,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     for algorithm in ALGORITHMS:
         start = time.perf_counter()
-        result = plan(planned, args.seq_len, algorithm=algorithm, time_limit_s=args.time_limit)
+        result = plan(pieces, replace(options, algorithm=algorithm))
         results[algorithm] = result
         figures[f"rows_{algorithm}"] = result.num_bins
-        figures[f"efficiency_{algorithm}"] = efficiency = _real_efficiency(
-            result, real, planned, args.seq_len
-        )
+        figures[f"efficiency_{algorithm}"] = result.efficiency  # real tokens
         print(
-            f"| {algorithm} | {result.num_bins:,} | {efficiency:.2%} "
+            f"| {algorithm} | {result.num_bins:,} | {result.efficiency:.2%} "
             f"| {time.perf_counter() - start:.2f} |"
         )
     bound = results["bfd"].lower_bound
@@ -76,19 +80,18 @@ def cmd_stats(args: argparse.Namespace) -> int:
     # every real token is packed ("split"): the bound's efficiency counts all of them, never a
     # length clipped at seq_len (which once printed "<= 38.84%", below what bfd achieved)
     print(f"| lower bound | {bound:,} | <= {real / (bound * args.seq_len):.2%} | |")
-    figures.update(_suggest_cap(results["bfd"], planned, real, args))
+    figures.update(_suggest_cap(results["bfd"], pieces, replace(options, algorithm="bfd")))
     long = lengths > args.seq_len
     print(
         f"\n{plural(int(long.sum()), 'document')} longer than {plural(args.seq_len, 'token')} "
         f"({plural(int((lengths[long] - args.seq_len).sum()), 'token')} beyond)"
     )
-    whole = -(-lengths // multiple) * multiple
     for policy in (p for p in LONG_DOC_POLICIES if p != "error"):
         # "split" as pack splits: at message boundaries where it can (the table above)
         r = (
             results["bfd"]
             if policy == "split"
-            else plan(whole, args.seq_len, algorithm="bfd", long_docs=policy)
+            else plan(lengths, replace(options, algorithm="bfd", long_docs=policy))
         )
         how = (
             f" (at message boundaries where possible: {plural(len(pieces), 'piece')})"
@@ -102,7 +105,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         _plot(lengths, args.seq_len, args.plot)
         print(f"\nplot -> {args.plot}")
     if args.dp is not None or args.micro_batches is not None or _cost_flags(args):
-        figures.update(_balance_report(args, pieces))
+        figures.update(_balance_report(args, pieces, replace(options, algorithm="bfd")))
     if args.json:
         import json
         from pathlib import Path
@@ -117,17 +120,15 @@ CAP_SHARE = 0.99
 """The suggested --max-documents keeps at least this share of the plan's rows as they are."""
 
 
-def _suggest_cap(
-    result: Any, planned: np.ndarray, real: int, args: argparse.Namespace
-) -> dict[str, Any]:
+def _suggest_cap(result: Any, pieces: np.ndarray, options: PackOptions) -> dict[str, Any]:
     """The smallest documents-per-row cap that keeps `CAP_SHARE` of bfd's rows, and what it costs."""
     from megapack.packing import plan
 
     per_row = np.diff(result.bin_offsets)
     cap = int(np.quantile(per_row, CAP_SHARE, method="higher"))
-    capped = plan(planned, args.seq_len, algorithm="bfd", max_documents=cap)
+    capped = plan(pieces, replace(options, max_documents=cap))
     kept = float((per_row <= cap).mean())
-    efficiency = _real_efficiency(capped, real, planned, args.seq_len)
+    efficiency = capped.efficiency
     print(
         f"\nstatic shapes (CUDA graphs): --max-documents {cap} keeps {kept:.2%} of the rows as they "
         f"are; capped: {plural(capped.num_bins, 'row')} (+{capped.num_bins - result.num_bins:,}), "
@@ -171,24 +172,21 @@ def _cost_model(args: argparse.Namespace) -> tuple[Any, str]:
     ) + f" (a={model.a:.3g}, b={model.b:.3g})"
 
 
-def _balance_report(args: argparse.Namespace, lengths: np.ndarray) -> dict[str, Any]:
+def _balance_report(
+    args: argparse.Namespace, pieces: np.ndarray, options: PackOptions
+) -> dict[str, Any]:
     from megapack.packing.compare import compare_plans
     from megapack.packing.names import BALANCE_MODES
+    from megapack.packing.options import LoadOptions
 
     cost, label = _cost_model(args)
-    dp = 1 if args.dp is None else args.dp
-    m = 1 if args.micro_batches is None else args.micro_batches
-    r = compare_plans(
-        lengths,
-        args.seq_len,
-        dp_size=dp,
-        micro_batches=m,
-        rows_per_micro_batch=args.rows_per_micro_batch,
-        cost=cost,
-        seed=args.seed,
-    )
+    given = {"dp_size": args.dp, "micro_batches": args.micro_batches}
+    given["rows_per_micro_batch"] = args.rows_per_micro_batch
+    deal = LoadOptions(**{k: v for k, v in given.items() if v is not None}, cost=cost)
+    r = compare_plans(pieces, options, deal)
+    dp, m = deal.dp_size, deal.micro_batches
     print(
-        f"\ndata-parallel balance: dp {dp}, {m} micro-batches of {args.rows_per_micro_batch} row(s)"
+        f"\ndata-parallel balance: dp {dp}, {m} micro-batches of {deal.rows_per_micro_batch} row(s)"
         f" per rank per step, {r['global_batches']:,} full global batches; cost {label}"
     )
     print("| plan | imbalance (max / mean rank cost) | efficiency |\n| --- | --- | --- |")
@@ -197,13 +195,6 @@ def _balance_report(args: argparse.Namespace, lengths: np.ndarray) -> dict[str, 
             f"| {mode} | {r[f'imbalance_{mode}_plan']:.4f} | {r[f'efficiency_{mode}_plan']:.2%} |"
         )
     return r
-
-
-def _real_efficiency(result: Any, real: int, planned: np.ndarray, seq_len: int) -> float:
-    """Real tokens placed / (rows x seq_len): alignment padding is not counted as packed."""
-    # every document is placed ("split"), so all its padding too
-    padding = int(planned.sum()) - real
-    return (result.packed_tokens - padding) / max(result.num_bins * seq_len, 1)
 
 
 def _plot(lengths: np.ndarray, seq_len: int, path: str) -> None:

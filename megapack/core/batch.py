@@ -1,6 +1,6 @@
 """`PackedBatch`: one THD micro-batch of packed documents, and conversions into it.
 
-Layout legend (THD: micro-batch rows concatenated into one row of T tokens):
+Shape legend (THD: micro-batch rows concatenated into one row of T tokens):
 
     tokens, labels, position_ids   [1, T] int64
     loss_mask                      [1, T] float32

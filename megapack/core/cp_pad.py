@@ -3,7 +3,7 @@
 Transformer Engine's THD context parallelism cuts every document into ``2 * cp`` equal chunks
 (`megapack.core.cp_share`, "document" layout), so each document's span must be a multiple of ``2 * cp``, and of
 any ``pad_to_multiple_of`` the caller asks for: their lcm. Its own module so that planning and
-``megapack pack`` (`megapack.data.layout`) read it without importing torch, which `megapack.core.cp_share`
+``megapack pack`` (`megapack.data.packed_dir`) read it without importing torch, which `megapack.core.cp_share`
 needs for everything else; `megapack.core.cp_share` re-exports it.
 
 Worked example: cp 4 -> 8; cp 2 with pad_to_multiple_of 8 -> lcm(8, 4) = 8; cp 1 -> pad_to_multiple_of.
@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import math
 
+from megapack.core.checks import check_int
+
 
 def cp_pad_multiple(cp_size: int, pad_to_multiple_of: int = 1) -> int:
     """The multiple every document is padded to for the "document" layout: lcm(pad_to_multiple_of, 2*cp).
 
     Raises:
-        ValueError: ``cp_size`` or ``pad_to_multiple_of`` is not an int >= 1, naming it and its value.
+        TypeError: ``cp_size`` or ``pad_to_multiple_of`` is not an int, naming it and its value.
+        ValueError: ``cp_size`` or ``pad_to_multiple_of`` is below 1, naming it and its value.
 
     Example:
         >>> cp_pad_multiple(4), cp_pad_multiple(2, 8), cp_pad_multiple(1, 3)
         (8, 8, 3)
     """
-    for name, value in (("cp_size", cp_size), ("pad_to_multiple_of", pad_to_multiple_of)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    cp_size = check_int("cp_size", cp_size, minimum=1)
+    pad_to_multiple_of = check_int("pad_to_multiple_of", pad_to_multiple_of, minimum=1)
     return pad_to_multiple_of if cp_size == 1 else math.lcm(pad_to_multiple_of, 2 * cp_size)

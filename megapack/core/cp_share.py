@@ -35,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from megapack.core.checks import check_int
 from megapack.core.cp_pad import cp_pad_multiple as cp_pad_multiple  # torch-free home, re-exported
 from megapack.core.fields import BatchField
 
@@ -179,10 +180,8 @@ def check_cp_spans(
 
 
 def _check_cp_args(cp_size: int, cp_rank: int, layout: str) -> None:
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
+    cp_size = check_int("cp_size", cp_size, minimum=1)
+    check_int("cp_rank", cp_rank, minimum=0, maximum=cp_size - 1)
     if layout not in CP_LAYOUTS:
         raise ValueError(f"cp layout must be one of {CP_LAYOUTS}, got {layout!r}")
 

@@ -1,7 +1,7 @@
 """Every field a batch carries, as data: one `BatchField` declaration each, built in or a trainer's own.
 
 A declaration says what a field is *per*, its dtype and which pipeline stages get it; everything
-else follows from those: how the TP source checks it (`megapack.core.normalize`), how a CP rank takes
+else follows from those: how the TP source checks it (`megapack.core.intake`), how a CP rank takes
 its share (`share`), where it sits in a frame and in the header (`megapack.delivery.wire`).
 
     per        shape in a THD batch          a CP rank keeps                  e.g.
@@ -23,7 +23,7 @@ value i belongs to input token i, as a rollout gives log-probs (one per generate
 ``loss_mask`` (placed ``value[i + 1]`` at position i); or ``"label"``, value i already pairs with
 ``labels[i]`` (placed as given). In a batch, a trainer's per-token field sits at the labels
 (value j pairs with ``labels[j]``), as ``loss_mask`` does. A Megatron dict's fields travel as
-given, so a dict takes ``at="label"`` (`megapack.core.normalize` refuses ``"token"`` there).
+given, so a dict takes ``at="label"`` (`megapack.core.intake` refuses ``"token"`` there).
 
     tokens of a document   a    b    c    d            labels  b    c    d    P
     old_logprobs given     -    lb   lc   ld           at="token" -> [lb, lc, ld, 0]

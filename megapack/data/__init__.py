@@ -6,8 +6,10 @@
       read_indexed                megatron-core .bin/.idx pairs
       read_numpy / documents_from_*  token arrays with offsets, eos splitting, lists of arrays
     split_document(doc, max_len)  cut long documents at message boundaries for a packer
-    PackedDataset                 documents packed into equal per-rank shards of PackedBatch micro-batches
+    PackedDataset                 documents packed into equal per-rank shards of PackedBatch micro-batches,
+                                  by a PackOptions and a LoadOptions (`megapack.packing.options`)
     PackWriter                    the same directory PackedDataset.save writes, streamed and resumable
+                                  (the packed directory and its meta.json: packed_dir.py)
     with_loss_fields, step_batches  each micro-batch's optimizer-step loss fields, for an iterator
                                   (one all-gather per step) or a StreamingPacker global batch
     ByteTokenizer, HFTokenizer    the Tokenizer protocol's two implementations

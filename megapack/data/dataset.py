@@ -1,10 +1,16 @@
 """`PackedDataset`: documents packed once into rows, served as equal per-rank shards of `PackedBatch`es.
 
+Two options objects say everything (`megapack.packing.options`): `PackOptions`, how the rows are
+packed (recorded in the dataset's meta and its saved folder, read back by `load`), and
+`LoadOptions`, how they are dealt and served (given again at each `load`). Their fields are also
+keyword shortcuts: ``PackedDataset(docs, seq_len=4096, dp_rank=r, dp_size=8)`` is
+``PackedDataset(docs, PackOptions(seq_len=4096), LoadOptions(dp_rank=r, dp_size=8))``.
+
 Construction plans the packing once (`megapack.packing.plan`) on the documents' *aligned* lengths,
-ceil(len / pad_to_multiple_of) * pad_to_multiple_of, so alignment padding can never overflow a row
-(Megatron-Bridge #4593 planned on raw lengths and padded afterwards). Documents longer than a row
-are first cut at message boundaries where possible (`split_document`; each cut costs the one
-target that crossed it), or truncated, dropped or refused, as ``long_docs`` says.
+ceil(len / multiple) * multiple, so alignment padding can never overflow a row (Megatron-Bridge
+#4593 planned on raw lengths and padded afterwards). Documents longer than a row are first cut at
+message boundaries where possible (`split_document`; each cut costs the one target that crossed
+it), or truncated, dropped or refused, as ``long_docs`` says.
 
 Each epoch shuffles the rows with ``(seed, epoch)``, groups ``rows_per_micro_batch`` rows into one
 THD micro-batch, and pads the number of micro-batches to a multiple of ``dp_size * micro_batches``
@@ -31,31 +37,31 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
 from megapack.core.batch import PackedBatch, has_padding_segment
-from megapack.core.checks import check_int
 from megapack.core.loss_fields import (
     attach_loss_fields,
-    check_reading,
     step_loss_fields,
     warn_if_untrained,
 )
 from megapack.data.document import Document
 from megapack.data.fingerprint import fingerprint
-from megapack.data.layout import check_layout, plan_layout, read_layout, write_layout
+from megapack.data.packed_dir import plan_packed_dir, read_packed_dir, write_packed_dir
 from megapack.data.resume import DatasetIterator, state_after
 from megapack.data.split import split_document
-from megapack.packing.names import BALANCE_MODES, LONG_DOC_POLICIES
-
-if TYPE_CHECKING:
-    from megapack.packing.cost import CostModel
-
-LONG_DOCS = LONG_DOC_POLICIES  # the one list, in megapack.packing.names
+from megapack.packing.options import (
+    LoadOptions,
+    PackOptions,
+    pack_options,
+    split_shortcuts,
+    with_shortcuts,
+)
 
 
 class PackedDataset:
@@ -63,29 +69,23 @@ class PackedDataset:
 
     Args:
         documents: the corpus (e.g. ``list(megapack.data.read_documents("train.jsonl"))``).
-        seq_len: tokens per row; a multiple of ``pad_to_multiple_of``.
-        rows_per_micro_batch: rows concatenated into one THD micro-batch (Megatron's micro-batch size).
-        pad_to_multiple_of: pad every document to a multiple of this (e.g. 8/16 for FP8 kernels).
-        cp_size: context-parallel size: documents are padded to lcm(pad_to_multiple_of, 2 * cp_size)
-            as the "document" CP layout needs, and rows are planned on those padded lengths.
-        algorithm: `megapack.packing.plan` algorithm ("bfd", "ffd", "first_fit", "next_fit", "best").
-        long_docs: documents longer than ``seq_len``: "split", "truncate", "drop" or "error".
-        seed: shuffles rows per epoch (with ``epoch``) and seeds the packer.
-        dp_rank, dp_size: this rank's shard of micro-batches.
-        pad_token_id: id for padding tokens and for labels that have no next token.
-        balance: "token" (rows shuffled and dealt round-robin) or "compute" (each global batch
-            balanced across ranks under ``cost``; `megapack.packing.balance`).
-        micro_batches: micro-batches per rank per optimizer step (Megatron's global batch size /
-            (micro-batch size x dp_size)); the epoch is padded to whole steps.
-        cost: a `megapack.packing.CostModel`, required by ``balance="compute"``.
-        loss_fields: attach each step's loss fields (`megapack.core.loss_fields.LOSS_FIELDS`)
-            to every micro-batch, for `megapack.megatron.normalized_loss`'s step modes;
-            ``micro_batches`` and ``dp_size`` must then be the trainer's.
-        split_documents: with ``loss_fields``, "whole" (the pieces of a split document in one
-            step are one document) or "pieces" (each piece a document).
-        max_documents: at most this many documents (or pieces) a row, for static shapes
-            (`megapack.StaticShape`, `megapack.core.static.segments_for`); ``megapack stats``
-            suggests one.
+        packing: how to pack the rows: `PackOptions` (seq_len, padding and ``cp_size``,
+            algorithm, long_docs, max_documents, seed, search_steps), or the ``seq_len`` alone.
+        loading: how to deal and serve them: `LoadOptions` (rows_per_micro_batch, micro_batches,
+            dp_rank, dp_size, balance, cost, loss_fields, split_documents, pad_token_id); default
+            its defaults (one DP rank, one row a micro-batch, one micro-batch a step).
+        **shortcuts: fields of either options class as keywords, set in ``packing`` or
+            ``loading`` (`megapack.packing.options.with_shortcuts`); the same defaults and checks.
+
+    Attributes:
+        packing, loading: the options, as given (read-only).
+        meta: what ``meta.json`` holds: ``"packing"`` (the options as a dict), rows, efficiency,
+            the long-document counts, the fingerprint, the tokenizer.
+
+    Raises:
+        TypeError: an option of the wrong type, or a keyword that is no option, naming it.
+        ValueError: a bad option value (naming it and the value), no documents, or a long
+            document ``long_docs="error"`` refuses.
 
     Example:
         >>> ds = PackedDataset(docs, seq_len=4096, rows_per_micro_batch=2, dp_rank=r, dp_size=8)  # doctest: +SKIP
@@ -95,105 +95,41 @@ class PackedDataset:
     def __init__(
         self,
         documents: Iterable[Document],
-        seq_len: int,
-        *,
-        rows_per_micro_batch: int = 1,
-        pad_to_multiple_of: int = 1,
-        cp_size: int = 1,
-        algorithm: str = "bfd",
-        long_docs: str = "split",
-        seed: int = 0,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        pad_token_id: int = 0,
-        balance: str = "token",
-        micro_batches: int = 1,
-        cost: CostModel | None = None,
-        loss_fields: bool = False,
-        split_documents: str = "whole",
-        max_documents: int | None = None,
+        packing: PackOptions | int | None = None,
+        loading: LoadOptions | None = None,
+        **shortcuts: Any,
     ) -> None:
-        multiple = check_layout(seq_len, pad_to_multiple_of, cp_size, long_docs)
+        pack_keywords, load_keywords = split_shortcuts(shortcuts, where="PackedDataset")
+        self.packing = pack_options(packing, pack_keywords, where="PackedDataset")
+        self.loading = with_shortcuts(LoadOptions, loading, load_keywords, where="PackedDataset")
         docs = list(documents)
         if not docs:
             raise ValueError(_empty_message(documents))
+        seq_len = self.packing.seq_len
         counts = {"input_documents": len(docs), "split_documents": 0}
         origins = np.arange(len(docs), dtype=np.int64)
-        if long_docs == "split":
+        if self.packing.long_docs == "split":
             counts["split_documents"] = sum(len(doc) > seq_len for doc in docs)
             pieces = [split_document(doc, seq_len) for doc in docs]
             origins = np.repeat(origins, [len(p) for p in pieces])
             docs = [piece for doc_pieces in pieces for piece in doc_pieces]
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
-        layout, self.meta = plan_layout(
-            lengths,
-            seq_len,
-            multiple=multiple,
-            cp_size=cp_size,
-            algorithm=algorithm,
-            long_docs=long_docs,
-            seed=seed,
-            pad_token_id=pad_token_id,
-            max_documents=max_documents,
-        )
+        pad = self.loading.pad_token_id
+        planned, self.meta = plan_packed_dir(lengths, self.packing, pad_token_id=pad or 0)
         self.meta.update(counts)  # what `megapack pack` reports: inputs, and how many were split
         self._arrays = {
             "tokens": np.concatenate([d.tokens for d in docs]),
             "loss_mask": np.concatenate([d.loss_mask for d in docs]),
-            **layout,
+            **planned,
             "origins": origins,
         }
         self.meta["fingerprint"] = fingerprint(self._arrays)  # its identity, for resume checks
-        self._configure(
-            rows_per_micro_batch,
-            dp_rank,
-            dp_size,
-            pad_token_id,
-            balance,
-            micro_batches,
-            cost,
-            loss_fields,
-            split_documents,
-        )
+        self._configure()
 
-    def _configure(
-        self,
-        rows_per_micro_batch: int,
-        dp_rank: int,
-        dp_size: int,
-        pad_token_id: int,
-        balance: str = "token",
-        micro_batches: int = 1,
-        cost: CostModel | None = None,
-        loss_fields: bool = False,
-        split_documents: str = "whole",
-    ) -> None:
-        from megapack.packing.balance import check_balance
-
-        _check_positive(rows_per_micro_batch=rows_per_micro_batch, dp_size=dp_size)
-        _check_positive(micro_batches=micro_batches)
-        if balance not in BALANCE_MODES:
-            raise ValueError(f"balance={balance!r}; choose one of {BALANCE_MODES}")
-        check_balance(
-            balance,
-            dp_size=dp_size,
-            micro_batches=micro_batches,
-            rows_per_micro_batch=rows_per_micro_batch,
-            cost=cost,
-        )
-        self.balance, self.micro_batches, self.cost = balance, micro_batches, cost
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank} is outside dp_size={dp_size}")
-        self.rows_per_micro_batch, self.dp_rank, self.dp_size = (
-            rows_per_micro_batch,
-            dp_rank,
-            dp_size,
-        )
-        self.pad_token_id = pad_token_id
-        if not isinstance(loss_fields, bool):
-            raise TypeError(f"loss_fields must be True or False, got {loss_fields!r}")
-        self.loss_fields, self.split_documents = loss_fields, check_reading(split_documents)
-        whole = loss_fields and split_documents == "whole"
+    def _configure(self) -> None:
+        """The epoch's state for ``self.loading``, checked against what the folder holds."""
+        loading = self.loading
+        whole = loading.loss_fields and loading.split_documents == "whole"
         if whole and "origins" not in self._arrays and int(self.meta.get("split_documents", 0)):
             raise ValueError(
                 f"split_documents='whole' needs to know which rows' pieces come from one "
@@ -202,23 +138,29 @@ class PackedDataset:
                 "`megapack pack`, or pass split_documents='pieces'"
             )
         self._step_fields: tuple[tuple[int, int], list[np.ndarray], np.ndarray] | None = None
-        self._plan = (dp_size, micro_batches)
+        self._plan = (loading.dp_size, loading.micro_batches)
         """(dp_size, micro_batches) this epoch's order is planned for; a resumed run keeps its
         checkpoint's until the epoch ends (`DatasetIterator.load_state_dict`)."""
         self.epoch = 0
         self._order: np.ndarray | None = None  # row order of self.epoch, computed on first use
         rows = int(self.meta["rows"])
         # the last micro-batch may hold fewer rows
-        self.num_micro_batches = -(-rows // rows_per_micro_batch)
-        step = dp_size * micro_batches
+        self.num_micro_batches = -(-rows // loading.rows_per_micro_batch)
+        step = loading.dp_size * loading.micro_batches
         self.padded_micro_batches = -(-self.num_micro_batches // step) * step
         _warn_if_mostly_filler(
-            self.num_micro_batches, self.padded_micro_batches, dp_size, micro_batches
+            self.num_micro_batches,
+            self.padded_micro_batches,
+            loading.dp_size,
+            loading.micro_batches,
         )
 
     @property
-    def seq_len(self) -> int:
-        return int(self.meta["seq_len"])
+    def pad_token_id(self) -> int:
+        """The pad id: `LoadOptions.pad_token_id`, else the one the folder records."""
+        if self.loading.pad_token_id is not None:
+            return self.loading.pad_token_id
+        return int(self.meta.get("pad_token_id", 0))
 
     @property
     def plan(self) -> tuple[int, int]:
@@ -230,34 +172,33 @@ class PackedDataset:
         (dp_size, micro_batches): by default this dataset's own; a resumed epoch keeps its
         checkpoint's (`DatasetIterator.load_state_dict`)."""
         self.epoch, self._order = epoch, None
-        self._plan = (self.dp_size, self.micro_batches) if plan is None else plan
+        self._plan = (self.loading.dp_size, self.loading.micro_batches) if plan is None else plan
 
     def __len__(self) -> int:
         """Micro-batches of this rank: the same on every rank."""
-        return self.padded_micro_batches // self.dp_size
+        return self.padded_micro_batches // self.loading.dp_size
 
     def __getitem__(self, index: int) -> PackedBatch:
         if not 0 <= index < len(self):
             raise IndexError(
                 f"PackedDataset index {index} out of range for {len(self)} micro-batches"
             )
-        global_index = self.dp_rank + index * self.dp_size
-        rows = self.order()[
-            global_index * self.rows_per_micro_batch : (global_index + 1)
-            * self.rows_per_micro_batch
-        ]
+        loading = self.loading
+        global_index = loading.dp_rank + index * loading.dp_size
+        per = loading.rows_per_micro_batch
+        rows = self.order()[global_index * per : (global_index + 1) * per]
         if (rows < 0).all():
             batch = self._padding_micro_batch()
         else:
             batch = PackedBatch.concat(
                 [self._row(int(r)) if r >= 0 else self._filler_row() for r in rows]
             )
-        if not self.loss_fields:
+        if not loading.loss_fields:
             return batch
-        step = index // self.micro_batches
+        step = index // loading.micro_batches
         documents, totals = self.step_loss_fields(step)
         return attach_loss_fields(
-            batch, documents[global_index - step * self.dp_size * self.micro_batches], totals
+            batch, documents[global_index - step * loading.dp_size * loading.micro_batches], totals
         )
 
     def step_loss_fields(self, step: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -271,10 +212,10 @@ class PackedDataset:
         key = (self.epoch, step)
         if self._step_fields is not None and self._step_fields[0] == key:
             return self._step_fields[1], self._step_fields[2]
-        size = self.dp_size * self.micro_batches
-        rows_per = self.rows_per_micro_batch
+        size = self.loading.dp_size * self.loading.micro_batches
+        rows_per = self.loading.rows_per_micro_batch
         order = self.order()
-        whole = self.split_documents == "whole"
+        whole = self.loading.split_documents == "whole"
         trained: list[np.ndarray] = []
         keys: list[np.ndarray | None] = []
         spare = len(self._arrays["doc_offsets"])  # keys past every document's: padding segments
@@ -304,7 +245,7 @@ class PackedDataset:
             counts.append(int(np.count_nonzero(a["loss_mask"][base + start + 1 : base + stop])))
             ids.append(int(doc) if origins is None else int(origins[doc]))
             used += int(stop - start)
-        if has_padding_segment(used, self.seq_len, int(self.meta["pad_to_multiple_of"])):
+        if has_padding_segment(used, self.packing.seq_len, self.packing.multiple):
             counts.append(0)
             ids.append(-1)
         return counts, ids
@@ -313,25 +254,20 @@ class PackedDataset:
         """This epoch's rows in dealing order, ``-1`` for zero-loss filler rows (same on every rank).
 
         Micro-batch ``j`` is ``order()[j * R:(j + 1) * R]`` and is item ``j // dp_size`` of DP rank
-        ``j % dp_size`` (``R = rows_per_micro_batch``).
+        ``j % dp_size`` (``R = rows_per_micro_batch``). The epoch is dealt for `plan`'s
+        (dp_size, micro_batches), the loading options' unless a resume kept its checkpoint's.
         """
         if self._order is None:
             from megapack.packing.balance import order_rows
 
+            cost, a = self.loading.cost, self._arrays
             rows = int(self.meta["rows"])
             costs = (
-                self.cost.bin_costs(self._arrays["slices"], self._arrays["bin_offsets"])
-                if self.cost is not None
-                else np.zeros(rows)
+                np.zeros(rows) if cost is None else cost.bin_costs(a["slices"], a["bin_offsets"])
             )
-            self._order = order_rows(
-                costs,
-                balance=self.balance,
-                dp_size=self._plan[0],
-                micro_batches=self._plan[1],
-                rows_per_micro_batch=self.rows_per_micro_batch,
-                seed=(int(self.meta["seed"]), self.epoch),
-            )
+            dp_size, micro_batches = self._plan  # dp_rank is not the dealing's: any valid one
+            deal = replace(self.loading, dp_rank=0, dp_size=dp_size, micro_batches=micro_batches)
+            self._order = order_rows(costs, deal, seed=(self.packing.seed, self.epoch))
         return self._order
 
     def __iter__(self) -> DatasetIterator:
@@ -384,8 +320,9 @@ class PackedDataset:
 
         The dataset's identity (`megapack.data.resume.identity`: what a checkpoint must share to
         resume it, e.g. rows, seed, rows per micro-batch, balance), how it is dealt (``dp_size``,
-        ``micro_batches``, ``loss_fields``, ``seq_len``) and ``dp_rank``, which DP ranks must not
-        share and the pipeline stages and CP ranks of one DP rank must. Plain JSON values.
+        ``micro_batches``, ``loss_fields`` of its `LoadOptions`, ``seq_len`` of its `PackOptions`)
+        and ``dp_rank``, which DP ranks must not share and the pipeline stages and CP ranks of
+        one DP rank must. Plain JSON values.
 
         Example: ``PackedDataset.load("packed/", rows_per_micro_batch=2, dp_rank=1, dp_size=4)``
         gives ``{..., "rows_per_micro_batch": 2, "dp_rank": 1, "dp_size": 4, "micro_batches": 1,
@@ -393,14 +330,15 @@ class PackedDataset:
         """
         from megapack.data.resume import identity
 
+        loading = self.loading
         return {
             **identity(self),
-            "rows_per_micro_batch": self.rows_per_micro_batch,
-            "dp_rank": self.dp_rank,
-            "dp_size": self.dp_size,
-            "micro_batches": self.micro_batches,
-            "loss_fields": self.loss_fields,
-            "seq_len": self.seq_len,
+            "rows_per_micro_batch": loading.rows_per_micro_batch,
+            "dp_rank": loading.dp_rank,
+            "dp_size": loading.dp_size,
+            "micro_batches": loading.micro_batches,
+            "loss_fields": loading.loss_fields,
+            "seq_len": self.packing.seq_len,
         }
 
     def state_for(
@@ -461,64 +399,61 @@ class PackedDataset:
             )
         return PackedBatch.from_documents(
             docs,
-            seq_len=self.seq_len,
-            pad_to_multiple_of=int(self.meta["pad_to_multiple_of"]),
+            seq_len=self.packing.seq_len,
+            pad_to_multiple_of=self.packing.multiple,
             pad_token_id=self.pad_token_id,
         )
 
     def _filler_row(self) -> PackedBatch:
         """A zero-loss row: one all-padding document."""
-        filler = {
-            "tokens": np.full(self.seq_len, self.pad_token_id),
-            "loss_mask": np.zeros(self.seq_len),
-        }
-        m = int(self.meta["pad_to_multiple_of"])
+        seq_len, pad = self.packing.seq_len, self.pad_token_id
+        filler = {"tokens": np.full(seq_len, pad), "loss_mask": np.zeros(seq_len)}
         return PackedBatch.from_documents(
-            [filler], seq_len=self.seq_len, pad_to_multiple_of=m, pad_token_id=self.pad_token_id
+            [filler], seq_len=seq_len, pad_to_multiple_of=self.packing.multiple, pad_token_id=pad
         )
 
     def _padding_micro_batch(self) -> PackedBatch:
         """Zero-loss filler micro-batch that evens out data-parallel shards."""
-        return PackedBatch.concat([self._filler_row()] * self.rows_per_micro_batch)
+        return PackedBatch.concat([self._filler_row()] * self.loading.rows_per_micro_batch)
 
     def save(self, directory: str | Path) -> Path:
         """Write the packed dataset (arrays + meta.json, its fingerprint included) to
         ``directory``; `load` reads it back."""
-        return write_layout(directory, self._arrays, self.meta)
+        return write_packed_dir(directory, self._arrays, self.meta)
 
     @classmethod
     def load(
-        cls,
-        directory: str | Path,
-        *,
-        rows_per_micro_batch: int = 1,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        pad_token_id: int | None = None,
-        balance: str = "token",
-        micro_batches: int = 1,
-        cost: CostModel | None = None,
-        loss_fields: bool = False,
-        split_documents: str = "whole",
+        cls, directory: str | Path, loading: LoadOptions | None = None, **shortcuts: Any
     ) -> PackedDataset:
-        """Memory-map a dataset written by `save` or ``megapack pack`` (padding with its recorded
-        pad id by default). Its contents' fingerprint is checked against ``meta.json`` (computed,
-        and logged, for a directory packed before it was recorded): `megapack.data.layout`."""
-        meta, arrays = read_layout(directory)
+        """Memory-map a dataset written by `save` or ``megapack pack``.
+
+        The folder says how it was packed (its `PackOptions`, ``meta.json``'s "packing"); how to
+        deal and serve it is ``loading``, and every field of `LoadOptions` is also a keyword
+        shortcut: ``PackedDataset.load("packed/", rows_per_micro_batch=2, dp_rank=r, dp_size=8)``
+        is ``PackedDataset.load("packed/", LoadOptions(rows_per_micro_batch=2, dp_rank=r,
+        dp_size=8))``. Padding uses the folder's recorded pad id unless ``pad_token_id`` is given.
+        Its contents' fingerprint is checked against ``meta.json`` (computed, and logged, for a
+        directory packed before it was recorded): `megapack.data.packed_dir`.
+
+        Raises:
+            TypeError: a keyword that is no `LoadOptions` field (a `PackOptions` one: the folder
+                records it), or a wrong type.
+            ValueError: a bad option value; a folder of another format or changed since packing.
+        """
+        where = "PackedDataset.load"
+        pack_keywords, load_keywords = split_shortcuts(shortcuts, where=where)
+        if pack_keywords:
+            name = sorted(pack_keywords)[0]
+            raise TypeError(
+                f"{where}: {name}= is how the folder was packed, which its meta.json records "
+                f"(packing={{..., {name!r}: ...}}); pack it again to change it"
+            )
+        loading = with_shortcuts(LoadOptions, loading, load_keywords, where=where)
+        packing, meta, arrays = read_packed_dir(directory)
         dataset = cls.__new__(cls)
+        dataset.packing, dataset.loading = packing, loading
         dataset.meta, dataset._arrays = meta, arrays
-        pad = int(meta.get("pad_token_id", 0)) if pad_token_id is None else pad_token_id
-        dataset._configure(
-            rows_per_micro_batch,
-            dp_rank,
-            dp_size,
-            pad,
-            balance,
-            micro_batches,
-            cost,
-            loss_fields,
-            split_documents,
-        )
+        dataset._configure()
         return dataset
 
 
@@ -544,11 +479,6 @@ def _warn_if_mostly_filler(real: int, padded: int, dp_size: int, micro_batches: 
         "step or fewer DP ranks for this data, or more data",
         stacklevel=4,
     )
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        check_int(name, value, minimum=1)
 
 
 def _empty_message(documents: Iterable[Document]) -> str:

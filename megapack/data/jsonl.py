@@ -27,26 +27,32 @@ Design: the reader is an iterator object rather than a generator so that the cou
 from __future__ import annotations
 
 import gzip
-import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-from megapack.data.chat import ChatTemplate
 from megapack.data.record_reader import RawRow, ReaderStats, RecordReader
-from megapack.data.records import DEFAULT_FIELDS, FORMATS, Fields, Format, ModelChatTemplate
-from megapack.data.tokenizers import ByteTokenizer, Tokenizer
+from megapack.data.records import Fields
 
 JsonlStats = ReaderStats
 """The counts of a `JsonlReader` (the name before other formats shared them)."""
 
 
 class JsonlReader(RecordReader):
-    """A single-pass iterator of Documents over one JSONL file; build it with `read_jsonl`."""
+    """A single-pass iterator of Documents over one JSONL file; open it with `read_jsonl`."""
 
-    def __init__(self, path: Path, tokenizer: Tokenizer, **options: Any) -> None:
-        self.path = path
-        super().__init__(tokenizer, **options)
+    OPENER = "read_jsonl"
+
+    @classmethod
+    def _locate(cls, path: Path, fields: Fields) -> Path:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such JSONL file")
+        return path
+
+    @property
+    def path(self) -> Path:
+        """The JSONL file."""
+        path: Path = self.source
+        return path
 
     def _rows(self) -> Iterator[RawRow]:
         rank, world = self.shard
@@ -61,61 +67,11 @@ class JsonlReader(RecordReader):
                 yield RawRow(f"{self.path}:{index + 1}", raw, index == 0)
 
 
-def read_jsonl(
-    path: str | os.PathLike[str],
-    tokenizer: Tokenizer | None = None,
-    *,
-    format: Format = "auto",
-    skip_bad: bool = False,
-    append_eos: bool = True,
-    chat_template: ChatTemplate | ModelChatTemplate | None = None,
-    fields: Fields = DEFAULT_FIELDS,
-    shard: tuple[int, int] | None = None,
-    workers: int = 1,
-    skip: int = 0,
-) -> JsonlReader:
-    """Documents from a JSON-lines file (optionally ``.gz``), one per non-blank line.
+read_jsonl = JsonlReader.open
+"""``read_jsonl(path, tokenizer=None, *, format, skip_bad, append_eos, chat_template, fields,
+shard, workers, skip)``: documents from a JSON-lines file (optionally ``.gz``), one per non-blank
+line; the options are `RecordReader.open`'s. ``shard`` keeps lines ``rank::world``; ``skip``
+passes over non-blank lines of this shard (a resumed pack).
 
-    Args:
-        path: the ``.jsonl`` file.
-        tokenizer: default `ByteTokenizer()`.
-        format: ``"auto"`` detects each line's format from its keys; ``"text"``,
-            ``"prompt_completion"`` or ``"chat"`` forces one (see `megapack.data.records`).
-        skip_bad: skip and count bad lines (see `JsonlReader.stats`) instead of raising.
-        append_eos: end each document with the tokenizer's eos id, learned (chat: see
-            `record_to_document`).
-        chat_template: how ``messages`` are rendered; default `ChatTemplate()`; a model's own:
-            `HFChatTemplate`.
-        fields: which keys hold text, prompt, completion, messages, tools.
-        shard: ``(rank, world)``: read only lines ``rank::world``.
-        workers: processes converting batches of lines (1: in this process).
-        skip: non-blank lines of this shard to pass over unread (a resumed pack).
-
-    Returns:
-        A `JsonlReader`: iterate it for Documents, read ``.stats`` for counts.
-
-    Raises:
-        FileNotFoundError: no such file (raised here, before iterating).
-        BadLineError: while iterating, on the first bad line unless ``skip_bad``.
-
-    Example:
-        a file with the line ``{"prompt": "a", "completion": "b"}`` at line 1 yields
-        ``Document(tokens=[97, 98, 257], loss_mask=[0, 1, 1], source="file.jsonl:1")``.
-    """
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no such JSONL file")
-    if format not in FORMATS:
-        raise ValueError(f"read_jsonl: format={format!r}; expected one of {', '.join(FORMATS)}")
-    return JsonlReader(
-        file,
-        tokenizer if tokenizer is not None else ByteTokenizer(),
-        format=format,
-        skip_bad=skip_bad,
-        append_eos=append_eos,
-        chat_template=chat_template,
-        fields=fields,
-        shard=shard,
-        workers=workers,
-        skip=skip,
-    )
+Example: ``reader = read_jsonl("sft.jsonl", skip_bad=True); docs = list(reader); reader.stats``.
+"""

@@ -201,14 +201,14 @@ def step_batches(
     rows = [list(b) for b in bins] + [[] for _ in range(slots - len(bins))]
     trained: list[np.ndarray] = []
     keys: list[np.ndarray | None] = []
-    spare = 1 + max((p.position for b in rows for p in b), default=0)  # padding segments' keys
+    spare = 1 + max((p.doc_index for b in rows for p in b), default=0)  # padding segments' keys
     for j in range(dp_size * micro_batches):
         counts, ids = [], []
         for row in rows[j * rows_per_micro_batch : (j + 1) * rows_per_micro_batch]:
             for piece in row:
                 mask = _piece_arrays(piece)[1]
                 counts.append(int(np.count_nonzero(mask[1:])))
-                ids.append(piece.position)
+                ids.append(piece.doc_index)
             used = sum(_aligned(p.stop - p.start, pad_to_multiple_of) for p in row)
             if not row or has_padding_segment(used, seq_len, pad_to_multiple_of):
                 counts.append(0)
@@ -238,7 +238,7 @@ def _piece_arrays(piece: Any) -> tuple[np.ndarray, np.ndarray]:
     doc = piece.doc
     if isinstance(doc, int | np.integer):
         raise TypeError(
-            f"stream document {piece.position} is a bare length ({doc}); a batch needs its tokens"
+            f"stream document {piece.doc_index} is a bare length ({doc}); a batch needs its tokens"
         )
     if hasattr(doc, "tokens") and hasattr(doc, "loss_mask"):
         tokens, mask = np.asarray(doc.tokens), np.asarray(doc.loss_mask)

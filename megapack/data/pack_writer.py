@@ -12,9 +12,10 @@ plan; its memory grew with every token. The writer streams instead:
    than a row goes document by document);
 2. after every ``checkpoint_every`` documents the files are flushed and ``progress.json`` records
    how far they go and how many input rows produced them (a *completed shard* of the input);
-3. at the end, the plan is made from the lengths alone (`megapack.data.layout.plan_layout`, the
-   function `PackedDataset` uses) and written as ``slices.npy`` / ``bin_offsets.npy`` with
-   ``doc_offsets.npy`` and ``meta.json``. Rows are slices of the token memmap, so they are not
+3. at the end, the plan is made from the lengths alone (`megapack.data.packed_dir.plan_packed_dir`,
+   the function `PackedDataset` uses, with the writer's `PackOptions`) and written as
+   ``slices.npy`` / ``bin_offsets.npy`` with ``doc_offsets.npy`` and ``meta.json`` (which
+   records the options). Rows are slices of the token memmap, so they are not
    copied again: the directory is exactly what `PackedDataset.save` writes, and
    `PackedDataset.load` reads it unchanged (the same arrays, byte for byte). ``meta.json``
    records the contents' fingerprint (`megapack.data.fingerprint`, read from the written files)
@@ -23,7 +24,7 @@ plan; its memory grew with every token. The writer streams instead:
 Resuming: a run that stopped (killed, out of disk) leaves ``progress.json`` and no ``meta.json``.
 ``PackWriter(out, ..., resume=True)`` truncates the files to the last checkpoint and reports
 ``rows_done``, the input rows to skip (``read_jsonl(..., skip=rows_done)``); a different
-configuration (input, seq_len, tokenizer, ...) is refused naming the setting.
+configuration (input, any `PackOptions` field, tokenizer, ...) is refused naming the setting.
 
 Peak memory: one reader batch of documents plus the write buffer (``buffer_tokens``) plus 8-24
 bytes per document (lengths, then the plan); not the corpus' tokens (see ``megapack bench`` pack).
@@ -45,8 +46,9 @@ from megapack.core.checks import check_int
 from megapack.data.convert import DocumentBatch
 from megapack.data.document import Document
 from megapack.data.fingerprint import fingerprint
-from megapack.data.layout import check_layout, plan_layout, write_layout
+from megapack.data.packed_dir import NothingToPack, plan_packed_dir, write_packed_dir
 from megapack.data.split import split_document
+from megapack.packing.options import PackOptions, pack_options
 
 PROGRESS_VERSION = 1
 HEADER_BYTES = 128
@@ -59,8 +61,9 @@ class PackWriter:
 
     Args:
         out: the output directory.
-        seq_len, pad_to_multiple_of, cp_size, algorithm, long_docs, seed, pad_token_id,
-            max_documents: as `PackedDataset`.
+        packing: how to pack the rows (`PackOptions`, recorded in ``meta.json``), or the
+            ``seq_len`` alone.
+        pad_token_id: the tokenizer's pad id, recorded for `PackedDataset.load`.
         config: anything else that must match on resume (input path, tokenizer, fields, ...).
         tokenizer, vocab_size, eos_id: what tokenized the documents, recorded in ``meta.json``
             (None where unknown, e.g. for token arrays read as they are).
@@ -69,7 +72,7 @@ class PackWriter:
         buffer_tokens: tokens held before a write.
 
     Example:
-        >>> writer = PackWriter("packed/", 4096, resume=True)  # doctest: +SKIP
+        >>> writer = PackWriter("packed/", PackOptions(seq_len=4096), resume=True)  # doctest: +SKIP
         >>> reader = read_jsonl("train.jsonl", tok, skip=writer.rows_done)  # doctest: +SKIP
         >>> meta = writer.write(reader, position=lambda: reader.rows_done)  # doctest: +SKIP
     """
@@ -77,33 +80,23 @@ class PackWriter:
     def __init__(
         self,
         out: str | os.PathLike[str],
-        seq_len: int,
+        packing: PackOptions | int,
         *,
-        pad_to_multiple_of: int = 1,
-        cp_size: int = 1,
-        algorithm: str = "bfd",
-        long_docs: str = "split",
-        seed: int = 0,
         pad_token_id: int = 0,
         config: dict[str, Any] | None = None,
         resume: bool = False,
         checkpoint_every: int = 100_000,
         buffer_tokens: int = 1 << 16,
-        max_documents: int | None = None,
         tokenizer: str | None = None,
         vocab_size: int | None = None,
         eos_id: int | None = None,
     ) -> None:
-        from megapack.packing.names import ALGORITHMS
-
-        multiple = check_layout(seq_len, pad_to_multiple_of, cp_size, long_docs)
+        self.packing = pack_options(packing, {}, where="PackWriter")
         for name, value in (
             ("checkpoint_every", checkpoint_every),
             ("buffer_tokens", buffer_tokens),
         ):
             check_int(name, value, minimum=1)
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm={algorithm!r}; choose one of {ALGORITHMS}")
         if tokenizer is not None and not isinstance(tokenizer, str):
             raise TypeError(f"tokenizer must be a name (str) or None, got {tokenizer!r}")
         self.tokenizer: dict[str, Any] = {
@@ -114,18 +107,8 @@ class PackWriter:
             "eos_id": None if eos_id is None else check_int("eos_id", eos_id, minimum=0),
         }
         """What tokenized the documents, as ``meta.json`` records it."""
+        self.pad_token_id = check_int("pad_token_id", pad_token_id, minimum=0)
         self.out = Path(out)
-        self.settings: dict[str, Any] = {
-            "seq_len": seq_len,
-            "pad_to_multiple_of": pad_to_multiple_of,
-            "cp_size": cp_size,
-            "multiple": multiple,
-            "algorithm": algorithm,
-            "long_docs": long_docs,
-            "seed": seed,
-            "pad_token_id": pad_token_id,
-            "max_documents": max_documents,
-        }
         self.config = json.loads(json.dumps(config or {}, default=str))
         self.checkpoint_every = checkpoint_every
         self.buffer_tokens = buffer_tokens
@@ -137,6 +120,10 @@ class PackWriter:
         self._lengths = array("q")  # int64, 8 bytes a document
         self._origins: array[int] | None = array("q")  # each document's input document
         self._start(resume)
+
+    def _settings(self) -> dict[str, Any]:
+        """What a resumed run must share with the checkpoint: the packing and the pad id."""
+        return {**self.packing.to_dict(), "pad_token_id": self.pad_token_id}
 
     def _start(self, resume: bool) -> None:
         progress = self.out / "progress.json"
@@ -155,7 +142,7 @@ class PackWriter:
                     f"version {PROGRESS_VERSION}: remove the directory to start over"
                 )
             saved = {"settings": state.get("settings"), "config": state.get("config")}
-            mine = {"settings": self.settings, "config": self.config}
+            mine = {"settings": self._settings(), "config": self.config}
             for part in ("settings", "config"):
                 for key in sorted(set(saved[part] or {}) | set(mine[part])):
                     if (saved[part] or {}).get(key) != mine[part].get(key):
@@ -217,12 +204,13 @@ class PackWriter:
                 (batch).
 
         Raises:
-            ValueError: no documents at all, or a document the long-document policy refuses.
+            NothingToPack: no documents at all (a ValueError).
+            ValueError: a document the long-document policy refuses.
         """
         seen = since = 0
         start = self.rows_done
-        seq_len, split = self.settings["seq_len"], self.settings["long_docs"] == "split"
-        refuse = self.settings["long_docs"] == "error"
+        seq_len, split = self.packing.seq_len, self.packing.long_docs == "split"
+        refuse = self.packing.long_docs == "error"
         try:
             for item in documents:
                 if refuse:
@@ -301,7 +289,7 @@ class PackWriter:
             np.frombuffer(self._origins, dtype=np.int64).tofile(self.out / "origins.partial")
         state = {
             "version": PROGRESS_VERSION,
-            "settings": self.settings,
+            "settings": self._settings(),
             "config": self.config,
             "rows": rows,
             "documents": self.documents,
@@ -316,28 +304,18 @@ class PackWriter:
 
     def _finish(self) -> dict[str, Any]:
         if not self._lengths:
-            raise ValueError("documents is empty: nothing to pack")
+            raise NothingToPack("documents is empty: nothing to pack")
         for name, dtype in ARRAYS.items():
             _write_header(self.out / f"{name}.npy", dtype, self.tokens)
-        s = self.settings
-        arrays, meta = plan_layout(
-            np.frombuffer(self._lengths, dtype=np.int64).copy(),
-            s["seq_len"],
-            multiple=s["multiple"],
-            cp_size=s["cp_size"],
-            algorithm=s["algorithm"],
-            long_docs=s["long_docs"],
-            seed=s["seed"],
-            pad_token_id=s["pad_token_id"],
-            max_documents=s["max_documents"],
-        )
+        lengths = np.frombuffer(self._lengths, dtype=np.int64).copy()
+        arrays, meta = plan_packed_dir(lengths, self.packing, pad_token_id=self.pad_token_id)
         meta.update(self.tokenizer)
         meta.update(input_documents=self.input_documents, split_documents=self.split_documents)
         written = {name: np.load(self.out / f"{name}.npy", mmap_mode="r") for name in ARRAYS}
         meta["fingerprint"] = fingerprint({**arrays, **written})
         if self._origins is not None:
             arrays["origins"] = np.frombuffer(self._origins, dtype=np.int64)
-        write_layout(self.out, arrays, meta)
+        write_packed_dir(self.out, arrays, meta)
         for leftover in ("progress.json", "lengths.partial", "origins.partial"):
             (self.out / leftover).unlink(missing_ok=True)
         return meta

@@ -118,9 +118,10 @@ def _call(
     ]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
+        name = getattr(getattr(reader, "__self__", None), "OPENER", reader.__name__)
         raise TypeError(
             f"{source if not isinstance(source, np.ndarray | list | tuple) else what}: option "
-            f"{unknown[0]!r} does not apply to {what} data; {reader.__name__} takes "
+            f"{unknown[0]!r} does not apply to {what} data; {name} takes "
             f"{', '.join(accepted) or 'no options'}"
         )
     return reader(source, **fixed, **options)

@@ -14,6 +14,10 @@ already-decoded dict. Everything after that is shared and lives here:
 4. bad rows: the first raises `BadLineError` (file, row, field, value, hint) in order, after the
    rows before it were yielded; with ``skip_bad`` they are counted in `ReaderStats`.
 
+One way to open one, `RecordReader.open` (`read_jsonl` and `read_table` are its two formats'):
+the same options for every format, checked before any row is read; a format adds only where its
+rows come from (``_locate``) and how to walk them (``_rows``).
+
 Two ways to consume a reader, one at a time: iterate it for `Document`s (views into the batches),
 or call `RecordReader.batches` for the `DocumentBatch`es themselves (what ``megapack pack`` writes,
 without a Python object per document).
@@ -26,13 +30,16 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 from collections import Counter
 from collections.abc import Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType, TracebackType
-from typing import Any
+from typing import Any, ClassVar, Self
 
+from megapack.data.chat import ChatTemplate
 from megapack.data.convert import (
     DocumentBatch,
     ParsedRows,
@@ -43,8 +50,15 @@ from megapack.data.convert import (
     parse_rows,
 )
 from megapack.data.document import Document
-from megapack.data.records import BadLineError
-from megapack.data.tokenizers import Tokenizer
+from megapack.data.records import (
+    DEFAULT_FIELDS,
+    FORMATS,
+    BadLineError,
+    Fields,
+    Format,
+    ModelChatTemplate,
+)
+from megapack.data.tokenizers import ByteTokenizer, Tokenizer
 
 __all__ = ["DocumentBatch", "RawRow", "ReaderStats", "RecordReader", "check_shard"]
 
@@ -108,10 +122,90 @@ class RecordReader(Iterator[Document]):
     """Base of `JsonlReader` and `TableReader`: a single-pass iterator of Documents with counts.
 
     Also a context manager: ``with read_jsonl(path) as reader: ...`` closes the file early.
+
+    Args:
+        source: where the rows are, as the format's ``_locate`` found it (a path, a file list).
+        tokenizer: encodes the records' text.
+        skip_bad, shard, workers, skip: as `open`.
+        batch_size: rows converted (and tokenized) together.
+        **options: ``format``, ``append_eos``, ``chat_template``, ``fields``: as `open`.
     """
+
+    OPENER: ClassVar[str] = "RecordReader.open"
+    """The public name of the format's `open` (``read_jsonl``), for its error messages."""
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        tokenizer: Tokenizer | None = None,
+        *,
+        format: Format = "auto",
+        skip_bad: bool = False,
+        append_eos: bool = True,
+        chat_template: ChatTemplate | ModelChatTemplate | None = None,
+        fields: Fields = DEFAULT_FIELDS,
+        shard: tuple[int, int] | None = None,
+        workers: int = 1,
+        skip: int = 0,
+    ) -> Self:
+        """Documents from the records at ``path``, one per line or row (``read_jsonl``,
+        ``read_table``).
+
+        Args:
+            path: the input (the format says which: a ``.jsonl`` file, a Parquet file, ...).
+            tokenizer: default `ByteTokenizer()`.
+            format: ``"auto"`` detects each record's format from its keys; ``"text"``,
+                ``"prompt_completion"`` or ``"chat"`` forces one (see `megapack.data.records`).
+            skip_bad: skip and count bad records (see `RecordReader.stats`) instead of raising.
+            append_eos: end each document with the tokenizer's eos id, learned (chat: see
+                `record_to_document`).
+            chat_template: how ``messages`` are rendered; default `ChatTemplate()`; a model's own:
+                `HFChatTemplate`.
+            fields: which keys (columns) hold text, prompt, completion, messages, tools.
+            shard: ``(rank, world)``: read only this rank's share (see the format's module).
+            workers: processes converting batches of records (1: in this process).
+            skip: records of this shard to pass over unread (a resumed pack).
+
+        Returns:
+            The reader: iterate it for Documents, read ``.stats`` for counts.
+
+        Raises:
+            FileNotFoundError: no such input (raised here, before iterating).
+            ImportError: the format needs a package that is not installed (pyarrow).
+            ValueError: an unknown ``format``, or input the format cannot read (naming it).
+            BadLineError: while iterating, on the first bad record unless ``skip_bad``.
+
+        Example:
+            a JSONL file with the line ``{"prompt": "a", "completion": "b"}`` at line 1 yields
+            ``Document(tokens=[97, 98, 257], loss_mask=[0, 1, 1], source="file.jsonl:1")``.
+        """
+        source = cls._locate(Path(path), fields)
+        if format not in FORMATS:
+            raise ValueError(
+                f"{cls.OPENER}: format={format!r}; expected one of {', '.join(FORMATS)}"
+            )
+        return cls(
+            source,
+            tokenizer if tokenizer is not None else ByteTokenizer(),
+            format=format,
+            skip_bad=skip_bad,
+            append_eos=append_eos,
+            chat_template=chat_template,
+            fields=fields,
+            shard=shard,
+            workers=workers,
+            skip=skip,
+        )
+
+    @classmethod
+    def _locate(cls, path: Path, fields: Fields) -> Any:
+        """Where a format's rows are, checked before any is read (each format implements it)."""
+        raise NotImplementedError
 
     def __init__(
         self,
+        source: Any,
         tokenizer: Tokenizer,
         *,
         skip_bad: bool,
@@ -127,6 +221,8 @@ class RecordReader(Iterator[Document]):
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
             raise ValueError(f"skip must be a non-negative int, got {skip!r}")
+        self.source = source
+        """Where the rows are (a format's ``_locate``)."""
         self.tokenizer = tokenizer
         self.shard = check_shard(shard)
         self.skip = skip

@@ -7,7 +7,7 @@ class docstring for what a resume on another DP size guarantees.
 Two ways to a state, both exact:
 
 * ``DatasetIterator.state_dict()``, saved beside the trainer's checkpoint: it records the
-  dataset's identity (`identity`: its fingerprint, rows, seed, layout), the position and the
+  dataset's identity (`identity`: its fingerprint, rows, seed, dealing), the position and the
   plan of the epoch in progress, so it resumes on any DP size with the global batch kept;
 * `state_after` (``PackedDataset.state_for``) from what Megatron-LM counts
   (``consumed_train_samples`` at a stated ``micro_batch_size``, or ``iteration``); with
@@ -27,20 +27,19 @@ from megapack.core.checks import check_int
 
 if TYPE_CHECKING:
     from megapack.core.batch import PackedBatch
+    from megapack.packing.options import LoadOptions, PackOptions
 
 log = logging.getLogger(__name__)  # library code logs; the CLI prints
 
 
 class PlannedDataset(Protocol):
-    """What resuming needs of a dataset (`megapack.data.PackedDataset` is one): its rows and
-    seed (``meta``), its DP layout, its epoch and the (dp_size, micro_batches) the epoch's order
-    is planned for."""
+    """What resuming needs of a dataset (`megapack.data.PackedDataset` is one): its rows
+    (``meta``), its options (the seed of its `PackOptions`, the dealing of its `LoadOptions`),
+    its epoch and the (dp_size, micro_batches) the epoch's order is planned for."""
 
     meta: dict[str, Any]
-    rows_per_micro_batch: int
-    dp_size: int
-    micro_batches: int
-    balance: str
+    packing: PackOptions
+    loading: LoadOptions
     epoch: int
     padded_micro_batches: int
 
@@ -62,7 +61,7 @@ class DatasetIterator:
     """One rank's micro-batches of a `PackedDataset` in order, resumable from a checkpoint.
 
     ``state_dict()`` says where the next micro-batch is: the epoch, this rank's next index, the
-    DP layout and the (dp_size, micro_batches) this epoch's order was planned for. A new
+    DP size and the (dp_size, micro_batches) this epoch's order was planned for. A new
     iterator over the same dataset resumes exactly there with ``load_state_dict``: the next
     micro-batches are bit for bit those the interrupted run would have had. Behind `megapack.prefetch`,
     checkpoint the prefetcher's ``state_dict()``, which counts the batches *used*, not the ones
@@ -109,8 +108,8 @@ class DatasetIterator:
             **identity(ds),
             "epoch": ds.epoch,
             "index": self.index,
-            "dp_size": ds.dp_size,
-            "micro_batches": ds.micro_batches,
+            "dp_size": ds.loading.dp_size,
+            "micro_batches": ds.loading.micro_batches,
             "plan": list(ds.plan),
         }
 
@@ -142,12 +141,12 @@ class DatasetIterator:
                     f"one has {key}={mine!r}"
                 )
         old_dp, old_m = checked["dp_size"], checked["micro_batches"]
-        step = ds.dp_size * ds.micro_batches
+        step = ds.loading.dp_size * ds.loading.micro_batches
         if old_dp * old_m != step:
             raise ValueError(
                 f"cannot resume: the checkpoint's global batch is dp_size {old_dp} x micro_batches "
-                f"{old_m} = {old_dp * old_m} micro-batches, this run's {ds.dp_size} x "
-                f"{ds.micro_batches} = {step}; keep the global batch"
+                f"{old_m} = {old_dp * old_m} micro-batches, this run's {ds.loading.dp_size} x "
+                f"{ds.loading.micro_batches} = {step}; keep the global batch"
             )
         plan = checked["plan"]
         if plan[0] * plan[1] != step:
@@ -163,14 +162,14 @@ class DatasetIterator:
                 f"state['index']={index} is past the end of its epoch: each of the checkpoint's "
                 f"{old_dp} DP ranks has {per_rank} micro-batches an epoch"
             )
-        if (old_dp, old_m) != (ds.dp_size, ds.micro_batches):
+        if (old_dp, old_m) != (ds.loading.dp_size, ds.loading.micro_batches):
             if index % old_m:
                 raise ValueError(
-                    f"cannot resume on dp_size {ds.dp_size}: the checkpoint (dp_size {old_dp}) was "
+                    f"cannot resume on dp_size {ds.loading.dp_size}: the checkpoint (dp_size {old_dp}) was "
                     f"taken after {index % old_m} of a step's {old_m} micro-batches; change the DP "
                     "size only at a step boundary"
                 )
-            index = index // old_m * ds.micro_batches
+            index = index // old_m * ds.loading.micro_batches
         ds.set_epoch(checked["epoch"], plan=plan)  # the epoch's order as planned
         self.index = index
 
@@ -178,14 +177,15 @@ class DatasetIterator:
 def identity(ds: PlannedDataset) -> dict[str, Any]:
     """What a checkpoint's dataset must share with ``ds`` to resume it, as plain values (also
     what ranks compare to check they read one dataset): the state's version, the contents'
-    fingerprint (`megapack.data.fingerprint`), the rows, the seed and the DP layout."""
+    fingerprint (`megapack.data.fingerprint`), the rows, the seed (`PackOptions`) and the dealing
+    (`LoadOptions`)."""
     return {
         "version": STATE_VERSION,
         "fingerprint": ds.meta.get("fingerprint"),
         "rows": int(ds.meta["rows"]),
-        "seed": int(ds.meta["seed"]),
-        "rows_per_micro_batch": ds.rows_per_micro_batch,
-        "balance": ds.balance,
+        "seed": ds.packing.seed,
+        "rows_per_micro_batch": ds.loading.rows_per_micro_batch,
+        "balance": ds.loading.balance,
     }
 
 
@@ -284,7 +284,7 @@ def state_after(
             each other or with this run's dp_size x micro_batches, or a plan of another global
             batch, naming the values.
     """
-    step = ds.dp_size * ds.micro_batches  # micro-batches a step, over every DP rank
+    step = ds.loading.dp_size * ds.loading.micro_batches  # micro-batches a step, over every DP rank
     used = _micro_batches_used(ds, consumed_samples, micro_batch_size, iterations, step)
     if global_batch_size is not None:
         if micro_batch_size is None:
@@ -296,7 +296,7 @@ def state_after(
         if global_batch_size != micro_batch_size * step:
             raise ValueError(
                 f"global_batch_size={global_batch_size} is not micro_batch_size "
-                f"{micro_batch_size} x dp_size {ds.dp_size} x micro_batches {ds.micro_batches} "
+                f"{micro_batch_size} x dp_size {ds.loading.dp_size} x micro_batches {ds.loading.micro_batches} "
                 f"= {micro_batch_size * step}: this dataset's dp_size and micro_batches must be "
                 "the run's (micro_batches = global batch / (micro-batch size x dp_size))"
             )
@@ -305,11 +305,11 @@ def state_after(
     return {
         **identity(ds),
         "epoch": epoch,
-        "index": done // ds.dp_size,
-        "dp_size": ds.dp_size,
-        "micro_batches": ds.micro_batches,
+        "index": done // ds.loading.dp_size,
+        "dp_size": ds.loading.dp_size,
+        "micro_batches": ds.loading.micro_batches,
         # an epoch not yet begun is planned by the run that begins it: this one
-        "plan": list(planned if done else (ds.dp_size, ds.micro_batches)),
+        "plan": list(planned if done else (ds.loading.dp_size, ds.loading.micro_batches)),
     }
 
 
@@ -334,15 +334,15 @@ def _micro_batches_used(
                 f"state_for(consumed_samples={consumed_samples}) needs micro_batch_size=, "
                 "Megatron's --micro-batch-size (args.micro_batch_size): it counts that many "
                 "samples per forward_step, each of which gets one micro-batch of "
-                f"rows_per_micro_batch={ds.rows_per_micro_batch} rows (THD: --micro-batch-size "
+                f"rows_per_micro_batch={ds.loading.rows_per_micro_batch} rows (THD: --micro-batch-size "
                 "1, a sample is a packed micro-batch)"
             )
         check_int("micro_batch_size", micro_batch_size, minimum=1)
         if consumed_samples % (micro_batch_size * step):
             raise ValueError(
                 f"consumed_samples={consumed_samples} is not a whole number of steps of "
-                f"micro_batch_size {micro_batch_size} x dp_size {ds.dp_size} x micro_batches "
-                f"{ds.micro_batches} = {micro_batch_size * step} samples: check "
+                f"micro_batch_size {micro_batch_size} x dp_size {ds.loading.dp_size} x micro_batches "
+                f"{ds.loading.micro_batches} = {micro_batch_size * step} samples: check "
                 "micro_batch_size, and that dp_size and micro_batches are the run's"
             )
         used = consumed_samples // micro_batch_size
@@ -351,8 +351,8 @@ def _micro_batches_used(
         if used is not None and used != iterations * step:
             raise ValueError(
                 f"consumed_samples={consumed_samples} at micro_batch_size {micro_batch_size} is "
-                f"{used} micro-batches, but iterations={iterations} x dp_size {ds.dp_size} x "
-                f"micro_batches {ds.micro_batches} is {iterations * step}: the counters disagree"
+                f"{used} micro-batches, but iterations={iterations} x dp_size {ds.loading.dp_size} x "
+                f"micro_batches {ds.loading.micro_batches} is {iterations * step}: the counters disagree"
             )
         used = iterations * step
     assert used is not None
@@ -362,22 +362,22 @@ def _micro_batches_used(
 def _plan(ds: PlannedDataset, plan: Any, step: int) -> tuple[int, int]:
     """The (dp_size, micro_batches) of the checkpoint's epoch: ``plan``, required by "compute"."""
     if plan is None:
-        if ds.balance == "compute":
+        if ds.loading.balance == "compute":
             raise TypeError(
                 "state_for with balance='compute' needs plan=(dp_size, micro_batches) of the "
                 "run that began the checkpoint's epoch: its order is balanced for that DP size "
-                f"and counters do not record it (this run's is ({ds.dp_size}, "
-                f"{ds.micro_batches}), if the DP size did not change). Or resume from "
+                f"and counters do not record it (this run's is ({ds.loading.dp_size}, "
+                f"{ds.loading.micro_batches}), if the DP size did not change). Or resume from "
                 "DatasetIterator.state_dict(), which records it"
             )
-        return (ds.dp_size, ds.micro_batches)
+        return (ds.loading.dp_size, ds.loading.micro_batches)
     if not isinstance(plan, list | tuple) or len(plan) != 2:
         raise TypeError(f"plan must be a pair (dp_size, micro_batches), got {_short(plan)}")
     dp, m = (check_int(f"plan[{i}]", v, minimum=1) for i, v in enumerate(plan))
     if dp * m != step:
         raise ValueError(
             f"plan=({dp}, {m}) is a global batch of {dp * m} micro-batches, this run's "
-            f"({ds.dp_size}, {ds.micro_batches}) of {step}: the counters cannot map a changed "
+            f"({ds.loading.dp_size}, {ds.loading.micro_batches}) of {step}: the counters cannot map a changed "
             "global batch"
         )
     return (dp, m)

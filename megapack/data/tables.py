@@ -28,33 +28,46 @@ one table can mix formats (a ``text`` column null where ``messages`` is set).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from megapack.data.chat import ChatTemplate
 from megapack.data.record_reader import RawRow, RecordReader
-from megapack.data.records import DEFAULT_FIELDS, FORMATS, Fields, Format, ModelChatTemplate
-from megapack.data.tokenizers import ByteTokenizer, Tokenizer
+from megapack.data.records import DEFAULT_FIELDS, Fields
 
 TABLE_SUFFIXES = (".parquet", ".arrow", ".feather", ".ipc")
 
 
 class TableReader(RecordReader):
-    """A single-pass iterator of Documents over Parquet / Arrow files; build it with `read_table`."""
+    """A single-pass iterator of Documents over Parquet / Arrow files; open it with `read_table`."""
 
-    def __init__(self, files: list[Path], tokenizer: Tokenizer, **options: Any) -> None:
-        self.files = files
-        fields = options.get("fields", DEFAULT_FIELDS)
-        self.columns = (
-            fields.text,
-            fields.prompt,
-            fields.completion,
-            fields.messages,
-            fields.tools,
-        )
-        super().__init__(tokenizer, **options)
+    OPENER = "read_table"
+
+    @classmethod
+    def _locate(cls, path: Path, fields: Fields) -> list[Path]:
+        """The data files (module table), each with a mapped column; needs pyarrow."""
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError as e:
+            raise ImportError(
+                "reading Parquet / Arrow needs pyarrow: pip install pyarrow "
+                "(or pip install 'megapack[arrow]')"
+            ) from e
+        files = table_files(path)
+        _check_columns(files, fields)
+        return files
+
+    @property
+    def files(self) -> list[Path]:
+        """The data files, in reading order."""
+        files: list[Path] = self.source
+        return files
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The mapped columns (`Fields`), the only ones decoded."""
+        fields: Fields = self._options.get("fields", DEFAULT_FIELDS)
+        return (fields.text, fields.prompt, fields.completion, fields.messages, fields.tools)
 
     def _file_units(self, file: Path) -> Iterator[tuple[int, Any]]:
         """``(rows, decode)`` per row group / record batch of ``file``; ``decode()`` gives its table."""
@@ -88,64 +101,15 @@ class TableReader(RecordReader):
                 unit, row, first = unit + 1, row + rows, first + rows
 
 
-def read_table(
-    path: str | os.PathLike[str],
-    tokenizer: Tokenizer | None = None,
-    *,
-    format: Format = "auto",
-    skip_bad: bool = False,
-    append_eos: bool = True,
-    chat_template: ChatTemplate | ModelChatTemplate | None = None,
-    fields: Fields = DEFAULT_FIELDS,
-    shard: tuple[int, int] | None = None,
-    workers: int = 1,
-    skip: int = 0,
-) -> TableReader:
-    """Documents from a Parquet / Arrow file or dataset directory; see the module table.
+read_table = TableReader.open
+"""``read_table(path, tokenizer=None, *, format, skip_bad, append_eos, chat_template, fields,
+shard, workers, skip)``: documents from a Parquet / Arrow file or dataset directory (module table);
+the options are `RecordReader.open`'s. Raises ImportError without pyarrow, FileNotFoundError for no
+such path or a directory with no data files, and ValueError for a ``DatasetDict`` directory or
+files with no mapped column (naming the columns there and the flags that map them).
 
-    Args:
-        path: a ``.parquet`` / ``.arrow`` / ``.feather`` / ``.ipc`` file, a datasets
-            ``save_to_disk`` directory, or a directory of such files.
-        tokenizer, format, skip_bad, append_eos, chat_template, fields, workers, skip: as
-            `read_jsonl`.
-        shard: ``(rank, world)``: this rank's share (see the module docstring).
-
-    Returns:
-        A `TableReader` (``.stats`` counts rows and skipped rows).
-
-    Raises:
-        ImportError: pyarrow is not installed.
-        FileNotFoundError: no such file, or a directory with no data files.
-        ValueError: a ``DatasetDict`` directory, or no mapped column in the files (naming the
-            columns there and the flags that map them).
-        BadLineError: while iterating, on the first bad row unless ``skip_bad``.
-
-    Example:
-        >>> docs = read_table("train.parquet", fields=Fields(text="body"))  # doctest: +SKIP
-    """
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError as e:
-        raise ImportError(
-            "reading Parquet / Arrow needs pyarrow: pip install pyarrow "
-            "(or pip install 'megapack[arrow]')"
-        ) from e
-    if format not in FORMATS:
-        raise ValueError(f"read_table: format={format!r}; expected one of {', '.join(FORMATS)}")
-    files = table_files(Path(path))
-    _check_columns(files, fields)
-    return TableReader(
-        files,
-        tokenizer if tokenizer is not None else ByteTokenizer(),
-        format=format,
-        skip_bad=skip_bad,
-        append_eos=append_eos,
-        chat_template=chat_template,
-        fields=fields,
-        shard=shard,
-        workers=workers,
-        skip=skip,
-    )
+Example: ``docs = read_table("train.parquet", fields=Fields(text="body"))``.
+"""
 
 
 def table_files(path: Path) -> list[Path]:

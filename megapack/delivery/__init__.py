@@ -1,7 +1,13 @@
-"""Delivery: `get_batch_on_this_tp_rank` and `prefetch`, one direction from the TP source to its peers.
+"""Delivery: batches in one direction from the TP source to its peers.
 
-item -> normalize -> CP share -> encode (`wire`) -> transport send | transport receive -> decode,
-orchestrated in `get_batch`; `prefetch` runs the same calls ahead in a thread. The local link
-(`link`, `link_setup`) is private to `transport`. May import `megapack.core`,
-`megapack.distributed` and `megapack.core.errors`; nothing here imports a module above it.
+    get_batch.py   `get_batch_on_this_tp_rank`, the one orchestrator: item -> intake -> CP share
+                   -> encode (`wire`) -> transport send | transport receive -> decode
+    wire.py        the frame: a header of int64 slots and the stage's fields
+    transport.py   the transports (the local link is private to it: link.py, link_setup.py)
+    prefetch.py    `prefetch`: the same calls ahead in a thread
+    steps.py       `lockstep_steps`: every rank learns a whole step of data exists before a
+                   pipeline schedule starts (agreement.py: what the ranks agree on at its first step)
+    graph.py       `GraphInputs`: the static buffers a captured training step reads
+
+May import `megapack.core` and `megapack.distributed`; nothing here imports a module above it.
 """

@@ -2,7 +2,7 @@
 
 The whole delivery, orchestrated here and nowhere else:
 
-    source: item -> normalize (`megapack.core.normalize`) -> CP share (`megapack.core.cp_share.take_share`)
+    source: item -> intake (`megapack.core.intake`) -> CP share (`megapack.core.cp_share.take_share`)
             -> encode (`megapack.delivery.wire`) -> transport send (`megapack.delivery.transport`)
     peers:  transport receive -> decode (`megapack.delivery.wire`)
 
@@ -36,7 +36,7 @@ from megapack.core.buckets import BUCKET_NAMES, with_bucket_plan
 from megapack.core.cp_share import CP_LAYOUTS, CpLayout, take_share
 from megapack.core.errors import CollectiveError, ProtocolError, RemoteDataError
 from megapack.core.fields import BatchField, Schema, Stage, schema_of
-from megapack.core.normalize import Batch, Layout, normalize
+from megapack.core.intake import Batch, BatchForm, to_batch
 from megapack.core.static import StaticShape, pad_static
 from megapack.delivery.transport import Transport, transport_for
 from megapack.delivery.wire import Header, Status, decode, encode, header_bytes, signal
@@ -185,23 +185,23 @@ def _send(
         if data_iterator is None:
             header = _without_iterator(topo, schema, options)
         else:
-            batch = normalize(next(data_iterator), schema, packed=options.packed)
-            if options.static is not None and batch.layout == Layout.PACKED:
-                batch = Batch(batch.layout, pad_static(batch.values, options.static))
+            batch = to_batch(next(data_iterator), schema, packed=options.packed)
+            if options.static is not None and batch.form == BatchForm.PACKED:
+                batch = Batch(batch.form, pad_static(batch.values, options.static))
             if _plans_buckets(schema, batch):
-                batch = Batch(batch.layout, with_bucket_plan(batch.values))
+                batch = Batch(batch.form, with_bucket_plan(batch.values))
             _check_hybrid_cp(batch, topo)
             values = take_share(
                 batch.values,
                 schema.by_stage[topo.stage],
-                packed=batch.layout == Layout.PACKED,
+                packed=batch.form == BatchForm.PACKED,
                 cp_size=topo.cp_size,
                 cp_rank=topo.cp_rank,
                 layout=options.cp_layout,
                 tp_size=topo.tp_size,
                 sequence_parallel=options.sequence_parallel,
             )
-            header, pieces = encode(Batch(batch.layout, values), schema, topo.stage)
+            header, pieces = encode(Batch(batch.form, values), schema, topo.stage)
     except StopIteration:
         header = signal(Status.STOP, topo.stage, schema)
     except Exception as exc:
@@ -261,7 +261,7 @@ def _without_iterator(topo: Topology, schema: Schema, options: _SourceOptions) -
         return Header(
             status=Status.OK,
             stage=topo.stage,
-            layout=Layout.PLAIN,
+            form=BatchForm.PLAIN,
             key=schema.key,
             dims=(None,) * len(schema.fields),
         )
@@ -283,7 +283,7 @@ def _plans_buckets(schema: Schema, batch: Batch) -> bool:
     """Whether the source plans the attention buckets (`megapack.BUCKET_FIELDS` declared, a packed
     batch that does not bring its own plan)."""
     return (
-        batch.layout == Layout.PACKED
+        batch.form == BatchForm.PACKED
         and BUCKET_NAMES[0] in schema.names
         and batch.values.get(BUCKET_NAMES[0]) is None
     )

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megapack.core.checks import check_int
 from megapack.core.errors import CollectiveError, ProtocolError
 from megapack.delivery.get_batch import get_batch_on_this_tp_rank
 from megapack.distributed import comm
@@ -107,7 +108,7 @@ class Prefetcher:
             10, so that waking it never preempts the training loop's thread; 0: the same).
         state: what `state_dict` reports of the data position, read right after each fetch
             (default: ``data_iterator.state_dict`` where it has one, e.g. a
-            `megapack.data.DatasetIterator`; pass ``packer.state_dict`` for a StreamingPacker fed
+            `megapack.data.resume.DatasetIterator`; pass ``packer.state_dict`` for a StreamingPacker fed
             through a generator).
         **options: passed on to every `get_batch_on_this_tp_rank` call (``cp_layout``,
             ``sequence_parallel``, ``packed``, ``fields``).
@@ -132,10 +133,8 @@ class Prefetcher:
         state: Callable[[], Any] | None = None,
         **options: Any,
     ) -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"prefetch depth must be an int >= 1, got {depth!r}")
-        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
-            raise ValueError(f"prefetch nice must be an int from 0 to 19, got {nice!r}")
+        depth = check_int("prefetch depth", depth, minimum=1)
+        nice = check_int("prefetch nice", nice, minimum=0, maximum=19)
         self._nice = nice
         allowed = set(inspect.signature(get_batch_on_this_tp_rank).parameters) - {
             "data_iterator",

@@ -1,6 +1,6 @@
 """The frame a TP source sends its peers: a header of int64 slots, then the stage's fields in full.
 
-    header   [magic, status, stage, layout, schema key, payload bytes,
+    header   [magic, status, stage, form (packed or plain), schema key, payload bytes,
               then per schema field: ndim (-1 absent), dims... (a scalar: 0, its value)]
     payload  every tensor field the stage gets (`Schema.by_stage`), in schema order, in its
              declared dtype, each piece at an 8-byte aligned offset
@@ -32,7 +32,7 @@ import torch
 from megapack.core.buckets import BUCKET_NAMES
 from megapack.core.errors import ProtocolError
 from megapack.core.fields import MAX_DIMS, Schema, Stage
-from megapack.core.normalize import Batch, Layout
+from megapack.core.intake import Batch, BatchForm
 from megapack.core.seq_params import make_packed_seq_params
 
 MAGIC = 0x4D50_0005  # "MP" + protocol version 5 (fields in full, declared by a schema)
@@ -68,7 +68,7 @@ class Status(enum.IntEnum):
 
 
 _STATUSES = {int(s): s for s in Status}
-_LAYOUTS = {int(x): x for x in Layout}
+_FORMS = {int(x): x for x in BatchForm}
 
 
 def header_bytes(schema: Schema) -> int:
@@ -78,19 +78,19 @@ def header_bytes(schema: Schema) -> int:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Header:
-    """What precedes a payload: status, stage, layout, the schema's key, the payload's size, and
+    """What precedes a payload: status, stage, the batch's form, the schema's key, the payload's size, and
     each field's dims (None: absent) or, for a scalar field, its value (an int)."""
 
     status: Status
     stage: Stage
-    layout: Layout = Layout.PACKED
+    form: BatchForm = BatchForm.PACKED
     key: int = 0
     nbytes: int = 0
     dims: tuple[tuple[int, ...] | int | None, ...] = ()
 
     def to_bytes(self) -> bytes:
         """The header as native int64 slots, one record per schema field (`header_bytes`)."""
-        slots = [MAGIC, self.status, STAGE_CODES[self.stage], self.layout, self.key, self.nbytes]
+        slots = [MAGIC, self.status, STAGE_CODES[self.stage], self.form, self.key, self.nbytes]
         for d in self.dims:
             if d is None:
                 slots += _ABSENT
@@ -117,8 +117,8 @@ class Header:
                 "TP rank must call get_batch_on_this_tp_rank once per micro-step) or run "
                 "different megapack versions"
             )
-        if v[1] not in _STATUSES or v[3] not in _LAYOUTS or not 0 <= v[2] < len(_STAGES):
-            raise ProtocolError(f"megapack header has status {v[1]}, stage {v[2]}, layout {v[3]}")
+        if v[1] not in _STATUSES or v[3] not in _FORMS or not 0 <= v[2] < len(_STAGES):
+            raise ProtocolError(f"megapack header has status {v[1]}, stage {v[2]}, form {v[3]}")
         dims: list[tuple[int, ...] | int | None] = []
         for i in range(fields):
             base = FIXED_SLOTS + SLOTS_PER_FIELD * i
@@ -127,7 +127,7 @@ class Header:
         return cls(
             status=_STATUSES[v[1]],
             stage=_STAGES[v[2]],
-            layout=_LAYOUTS[v[3]],
+            form=_FORMS[v[3]],
             key=v[4],
             nbytes=v[5],
             dims=tuple(dims),
@@ -167,7 +167,7 @@ def encode(batch: Batch, schema: Schema, stage: Stage) -> tuple[Header, list[tor
     header = Header(
         status=Status.OK,
         stage=stage,
-        layout=batch.layout,
+        form=batch.form,
         key=schema.key,
         nbytes=nbytes,
         dims=tuple(dims),
@@ -259,7 +259,7 @@ def decode(
         else:
             out[name] = payload[offset : offset + size].view(dtype).view(dims)
         offset += size + (-size % 8)
-    if header.layout == Layout.PACKED:
+    if header.form == BatchForm.PACKED:
         buckets = None
         if BUCKET_NAMES[0] in out:  # declared: the plan travels to the attention on the params
             buckets = tuple(out[n] for n in BUCKET_NAMES if out[n] is not None)

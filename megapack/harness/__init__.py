@@ -1,6 +1,8 @@
-"""The test and bench harness: the persistent gloo worker pool (`pool`), megatron-core on CPU
-ranks (`megatron_cpu`) and the tiny megatron-core GPT the bench, examples and tests train (`gpt`).
+"""What the bench, the examples and the tests share, one import path each: the persistent gloo
+worker pool (`pool`), megatron-core on CPU ranks (`megatron_cpu`), the tiny megatron-core GPT they
+train and its forward step (`gpt`), and `grid_topology` for tp x pp x cp grids of the default
+group (`grid`).
 
-May import everything below it (core, distributed, delivery, attention, megatron); never the
-bench, the CLI or `megapack.testing`.
+May import every package below it (core, distributed, delivery, attention, megatron, packing,
+data); never the bench, the CLI or `megapack.testing`.
 """

@@ -9,8 +9,9 @@
 * `packed_micro_batch` / `padded_micro_batch` lay documents out as Megatron's own SFT dicts
   (packed rows with -1-padded ``cu_seqlens``) and padded ``[b, s]`` rows.
 * `forward_step` is a pretrain_gpt-style ``forward_step_func`` that calls
-  `megapack.get_batch_on_this_tp_rank` and returns a masked mean loss per micro-batch
-  (`megapack.megatron.loss.masked_mean_loss`).
+  `megapack.get_batch_on_this_tp_rank` and returns each micro-batch's mean loss over its trained
+  tokens (`megapack.megatron.normalized_loss`, ``mode="micro_batch_mean"``);
+  `micro_batch_losses` reads those means back from the schedule's reports.
 
 The MLP is ungated (GELU): a gated fc1 interleaves its two halves across TP ranks, which a plain
 slice of the full tensor would not reproduce. megatron-core is imported lazily, inside the calls.
@@ -30,13 +31,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megapack.core.batch import PackedBatch
 from megapack.core.cp_share import CpLayout
 from megapack.core.fields import BatchField
 from megapack.delivery.get_batch import get_batch_on_this_tp_rank
 from megapack.distributed.topology import Topology
-from megapack.megatron.loss import masked_mean_loss
+from megapack.megatron.loss import normalized_loss
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -161,8 +163,9 @@ def forward_step(
     Args:
         fields: a trainer's own fields to deliver too (`megapack.BatchField`).
         loss: ``loss(batch, cp_group)`` gives the schedule's loss function (default:
-            `megapack.megatron.loss.masked_mean_loss` of the batch's ``loss_mask``), e.g. a
-            clipped policy loss from delivered advantages and old log-probs.
+            `megapack.megatron.normalized_loss` with ``mode="micro_batch_mean"`` and
+            ``calculate_per_token_loss=False``: each micro-batch's mean over its trained tokens),
+            e.g. `megapack.megatron.policy_loss` of delivered advantages and old log-probs.
         embed: ``embed(model, batch)`` gives the first stage's ``decoder_input`` (e.g. token
             embeddings plus image patch embeddings), or None to let the model embed.
     """
@@ -181,7 +184,30 @@ def forward_step(
     cp_group = topology.cp_group if topology.cp_size > 1 else None
     if loss is not None:
         return output, loss(batch, cp_group)
-    return output, functools.partial(masked_mean_loss, batch["loss_mask"], cp_group=cp_group)
+    return output, functools.partial(
+        normalized_loss,
+        batch,
+        mode="micro_batch_mean",
+        calculate_per_token_loss=False,
+        cp_group=cp_group,
+    )
+
+
+def micro_batch_losses(reports: Sequence[dict[str, Any]], cp_group: Any = None) -> list[float]:
+    """Each micro-batch's loss from the schedule's reports (``{"lm loss": [sum, count]}`` each, as
+    `megapack.megatron.normalized_loss` returns them): sum / count after summing over ``cp_group``
+    (Megatron-LM's ``train_step`` sums them over DP x CP alike). Every rank of ``cp_group`` must call it (one
+    all-reduce, none without a group or without reports).
+
+    Example: micro_batch_mean on cp 2, micro-batch means 2.0 and 3.0 -> CP rank 0 reports
+    ``[[1.5, 1], [1.0, 1]]``, rank 1 ``[[0.5, 0], [2.0, 0]]`` -> ``[2.0, 3.0]`` on both.
+    """
+    if not reports:
+        return []
+    sums = torch.stack([r["lm loss"].detach().double() for r in reports])
+    if cp_group is not None:
+        dist.all_reduce(sums, group=cp_group)
+    return (sums[:, 0] / sums[:, 1].clamp(min=1.0)).tolist()
 
 
 def packed_micro_batch(

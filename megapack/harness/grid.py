@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from megapack.core.checks import check_int
 from megapack.core.cp_share import CpLayout
 from megapack.distributed.topology import Topology
 
@@ -31,11 +32,13 @@ def grid_topology(tp: int, pp: int, cp: int = 1, cp_layout: CpLayout = "document
         cp_layout: "document" or "row" (`megapack.core.cp_share`), used when ``cp > 1``.
 
     Raises:
-        ValueError: a size is not a positive int, or the world size is not tp * pp * cp.
+        TypeError: a size is not an int.
+        ValueError: a size is below 1, or the world size is not tp * pp * cp.
     """
-    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"grid_topology: {name} must be an int >= 1, got {value!r}")
+    tp, pp, cp = (
+        check_int(f"grid_topology: {n}", v, minimum=1)
+        for n, v in (("tp", tp), ("pp", pp), ("cp", cp))
+    )
     world = dist.get_world_size()
     if world != tp * pp * cp:
         raise ValueError(

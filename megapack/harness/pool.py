@@ -45,6 +45,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
 from unittest import mock
 
+from megapack.core.checks import check_int
+
 _HOST = "127.0.0.1"
 _START_TIMEOUT_S = 300.0  # 8 workers importing megatron on 2 busy cores; generous on purpose
 _STOP_GRACE_S = 3.0
@@ -208,8 +210,7 @@ class WorkerPool:
         preload: Sequence[str] = ("torch", "megatron.core.packed_seq_params"),
         pg_timeout_s: float = 60.0,
     ) -> None:
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"size must be an int >= 1, got {size!r}")
+        size = check_int("size", size, minimum=1)
         if pg_timeout_s <= 0:
             raise ValueError(f"pg_timeout_s must be > 0, got {pg_timeout_s!r}")
         self.size = size
@@ -262,8 +263,7 @@ class WorkerPool:
         """Like :meth:`run`, but returns every rank's :class:`RankOutcome` instead of raising."""
         if self._closed:
             raise RuntimeError("WorkerPool is closed")
-        if not isinstance(world_size, int) or not 1 <= world_size <= self.size:
-            raise ValueError(f"world_size must be an int in 1..{self.size}, got {world_size!r}")
+        world_size = check_int("world_size", world_size, minimum=1, maximum=self.size)
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout!r}")
         try:

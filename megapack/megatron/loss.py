@@ -35,8 +35,10 @@ What each path needs from the batch (declare `megapack.core.loss_fields.LOSS_FIE
 Without the fields a split document is read as pieces (nothing on the loss's stage says where it
 was cut). The functions read no tensor value on the host.
 
-`masked_mean_loss` and `clipped_policy_loss` are the earlier per-micro-batch losses (taking the
-mask and a CP group), kept as they were: their report is the micro-batch mean itself.
+A per-micro-batch mean (each micro-batch's mean over its trained tokens, what a loss function
+returning ``(loss_mask * per_token).sum() / loss_mask.sum()`` gives) is ``mode="micro_batch_mean"``
+with ``calculate_per_token_loss=False``; its report is ``[this CP share's part of the mean, 1 on CP
+rank 0 (else 0)]``, which the reduction above turns into the mean of the micro-batch means.
 """
 
 from __future__ import annotations
@@ -130,37 +132,6 @@ def policy_loss(
         _cp_group(batch, cp_group),
         cp_layout,
     )
-
-
-def masked_mean_loss(
-    loss_mask: torch.Tensor, per_token: torch.Tensor, cp_group: Any = None
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Mean loss over trained positions of one micro-batch (``micro_batch_mean``, the 2-tuple
-    form); the report is that mean, and ``per_token`` the masked per-token losses."""
-    return _masked_mean(loss_mask, per_token, cp_group)
-
-
-def clipped_policy_loss(
-    loss_mask: torch.Tensor,
-    advantages: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    per_token: torch.Tensor,
-    *,
-    clip: float = 0.2,
-    cp_group: Any = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The clipped surrogate's mean over trained positions of one micro-batch (``micro_batch_mean``).
-
-    Args:
-        loss_mask: [1, T] (or [b, s]), 1 where a token is trained.
-        advantages, old_logprobs: the same shape, as the trainer computed them at rollout time.
-        per_token: megatron-core's per-token cross-entropy (``-logp`` of every label).
-        clip: epsilon of the ratio's clip range [1 - clip, 1 + clip].
-        cp_group: the context-parallel group, None without CP.
-
-    Example: logp = old logp (ratio 1) gives ``-A`` per token, whatever ``clip`` is.
-    """
-    return _masked_mean(loss_mask, _surrogate(advantages, old_logprobs, per_token, clip), cp_group)
 
 
 def _surrogate(
@@ -289,18 +260,3 @@ def _returned(
     if per_token_loss:
         return total, count.to(torch.int32), {"lm loss": report}
     return loss, {"lm loss": report}
-
-
-def _masked_mean(
-    loss_mask: torch.Tensor, per_token: torch.Tensor, cp_group: Any
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    mask = loss_mask.float()
-    count = mask.sum()
-    if cp_group is not None:
-        count = count.detach().clone()
-        dist.all_reduce(count, group=cp_group)
-    loss = (per_token.float() * mask).sum() / count.clamp(min=1.0)
-    reported = loss.detach().clone()  # clone(): the schedule divides the loss in place
-    if cp_group is not None:
-        dist.all_reduce(reported, group=cp_group)
-    return loss, {"lm loss": reported, "per_token": (per_token.detach() * mask).clone()}

@@ -1,39 +1,46 @@
-"""Packing documents into fixed-size bins (rows of ``capacity`` tokens): plans, bounds, streaming.
+"""Packing documents into rows of ``seq_len`` tokens: options, plans, bounds, streaming.
 
-    plan(lengths, capacity, algorithm="bfd" | "ffd" | "first_fit" | "next_fit" | "best",
-         long_docs="split" | "truncate" | "drop" | "error", seed=0, time_limit_s=10.0) -> PackPlan
-    StreamingPacker(capacity, buffer_size=1000, ...).pack(documents) -> iterator of bins
+    PackOptions(seq_len=..., algorithm=..., long_docs=..., ...)   what packing decides
+    LoadOptions(rows_per_micro_batch=..., dp_rank=..., ...)         what loading decides
+    plan(lengths, packing, loading=None) -> PackPlan                 (packing: PackOptions or seq_len)
+    StreamingPacker(packing, loading=None, buffer_size=1000).pack(documents) -> iterator of bins
 
-Example, lengths ``[3, 2, 4]`` at capacity 5:
+Example, lengths ``[3, 2, 4]`` at seq_len 5:
 
     >>> from megapack.packing import plan
     >>> p = plan([3, 2, 4], 5)
     >>> p.bins, p.num_bins, p.efficiency, p.lower_bound
     ([[(2, 0, 4)], [(0, 0, 3), (1, 0, 2)]], 2, 0.9, 2)
 
-Files: plan.py (entry point; ``max_documents`` caps a row's documents), pack_plan.py (the
-result), items.py (long documents into packable pieces), bfd.py and fit.py (greedy algorithms),
-search.py and partial.py (the "best" local search), subset_sum.py, bounds.py (L1, L2),
-streaming.py, cost.py (row cost a * tokens + b * sum(len^2)), balance.py, layers.py and
-dealing.py (compute-balanced dealing to data-parallel ranks), compare.py (token vs compute plan),
-align.py (`align_by_kind`: the same kind of micro-batch on every rank at each step), names.py
-(every choice list: algorithms, long-document policies, balance modes).
+Modules: options.py (`PackOptions`, `LoadOptions`), planner.py (`plan`; ``max_documents`` caps a
+row's pieces), pack_plan.py (`PackPlan`, the result), pieces.py (`Piece`, `Pieces`: documents into
+packable pieces under the long-document policy), bfd.py and fit.py (greedy algorithms), search.py
+and partial.py (the "best" local search), subset_sum.py, bounds.py (L1, L2), streaming.py
+(`StreamingPacker`) and stream_state.py (its checked state), cost.py (row cost a * tokens + b *
+sum(len^2)), balance.py, layers.py and dealing.py (compute-balanced dealing to data-parallel
+ranks), compare.py (token vs compute plan), align.py (`align_by_kind`: the same kind of
+micro-batch on every rank at each step), names.py (every choice list: algorithms, long-document
+policies, balance modes).
 """
 
 from megapack.packing.bounds import l1_bound, l2_bound, lower_bound
 from megapack.packing.cost import CostModel
 from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
-from megapack.packing.pack_plan import PackPlan, Slice
-from megapack.packing.plan import plan
-from megapack.packing.streaming import Piece, StreamingPacker
+from megapack.packing.options import LoadOptions, PackOptions
+from megapack.packing.pack_plan import PackPlan
+from megapack.packing.pieces import Piece, Pieces
+from megapack.packing.planner import plan
+from megapack.packing.streaming import StreamingPacker
 
 __all__ = [
     "ALGORITHMS",
     "LONG_DOC_POLICIES",
     "CostModel",
+    "LoadOptions",
+    "PackOptions",
     "PackPlan",
     "Piece",
-    "Slice",
+    "Pieces",
     "StreamingPacker",
     "l1_bound",
     "l2_bound",

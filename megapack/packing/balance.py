@@ -4,7 +4,7 @@ All data-parallel ranks meet at the gradient all-reduce, so a step lasts as long
 expensive rank. Rows hold the same number of tokens but not the same compute (`cost.CostModel`:
 ``a * tokens + b * sum(len_i^2)``); this module spreads the costly rows over the ranks.
 
-Layout (the one `PackedDataset` serves): an *order* is a sequence of row indices, ``-1`` for a
+Dealing (what `PackedDataset` serves, `LoadOptions`): an *order* is a sequence of row indices, ``-1`` for a
 zero-loss filler row. Micro-batch ``j`` is ``order[j * R:(j + 1) * R]`` (``R`` rows per micro-batch)
 and goes to DP rank ``j % dp`` as that rank's item ``j // dp``; global batch (optimizer step) ``g``
 is micro-batches ``g * dp * M`` to ``(g + 1) * dp * M - 1``, ``M`` on each rank.
@@ -36,7 +36,7 @@ them in that order, `order_rows`). The token plan deals rows 0, 2 to rank 0 (cos
 each rank runs a 1-cost row, then an 8-cost row (cost 9 each, imbalance 1.0). Packing efficiency
 does not change: the rows are the same.
 
-Measured here on the OpenChat V1 lengths (capacity 2,048, BFD, 4,673 rows), dp 8, M 4, with the
+Measured here on the OpenChat V1 lengths (seq_len 2,048, BFD, 4,673 rows), dp 8, M 4, with the
 Llama-3-8B cost (`cost.py`): imbalance 1.0090 (token plan) -> 1.0001; with ``b`` alone
 (``sum(len^2)``): 1.136 -> 1.0005, and 1.111 -> 1.0003 with two rows per micro-batch; 6-30 ms
 to plan the epoch.
@@ -50,11 +50,11 @@ import numpy as np
 
 from megapack.packing.dealing import balance_order, partition, pipeline_order
 from megapack.packing.names import BALANCE_MODES
+from megapack.packing.options import LoadOptions
 
 __all__ = [
     "BALANCE_MODES",  # defined in megapack.packing.names, the one home of choice lists
     "balance_order",
-    "check_balance",
     "compute_order",
     "imbalance",
     "order_rows",
@@ -64,40 +64,10 @@ __all__ = [
 ]
 
 
-def check_balance(
-    balance: str | None,
-    *,
-    dp_size: int,
-    micro_batches: int,
-    rows_per_micro_batch: int,
-    cost: object,
-) -> None:
-    """Raise ValueError/TypeError naming the bad argument of a balanced plan, with the fix."""
-    if balance is not None and balance not in BALANCE_MODES:
-        raise ValueError(f"balance must be one of {BALANCE_MODES} or None, got {balance!r}")
-    sizes = {"dp_size": dp_size, "micro_batches": micro_batches}
-    sizes["rows_per_micro_batch"] = rows_per_micro_batch
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int | np.integer):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    from megapack.packing.cost import CostModel
-
-    if balance == "compute" and not isinstance(cost, CostModel):
-        raise TypeError(
-            f"balance='compute' needs cost=CostModel(...), got {type(cost).__name__}; "
-            "e.g. CostModel.from_shape(hidden=..., ffn=..., layers=..., heads=..., vocab=...)"
-        )
-
-
 def order_rows(
     row_costs: np.ndarray,
+    loading: LoadOptions,
     *,
-    balance: str,
-    dp_size: int,
-    micro_batches: int,
-    rows_per_micro_batch: int = 1,
     seed: int | tuple[int, ...] = 0,
     pad: bool = True,
 ) -> np.ndarray:
@@ -105,42 +75,35 @@ def order_rows(
 
     Args:
         row_costs: [rows] cost of every row (unused by the token plan).
-        balance: "token" (the seeded shuffle) or "compute" (`compute_order` of that shuffle).
-        dp_size, micro_batches, rows_per_micro_batch: the layout.
+        loading: the dealing (``dp_size``, ``micro_batches``, ``rows_per_micro_batch``) and the
+            plan: ``balance`` "token" (the seeded shuffle) or "compute" (`compute_order` of it).
         seed: the shuffle's seed (``np.random.default_rng(seed).permutation``).
         pad: append ``-1`` filler rows up to whole global batches.
 
     Example:
-        >>> costs = np.array([8.0, 1, 8, 1])
-        >>> order_rows(costs, balance="token", dp_size=2, micro_batches=2, seed=1).tolist()
+        >>> costs, deal = np.array([8.0, 1, 8, 1]), LoadOptions(dp_size=2, micro_batches=2)
+        >>> order_rows(costs, deal, seed=1).tolist()
         [0, 1, 2, 3]
-        >>> order_rows(costs, balance="compute", dp_size=2, micro_batches=2, seed=1).tolist()
+        >>> from megapack.packing.cost import CostModel
+        >>> compute = LoadOptions(dp_size=2, micro_batches=2, balance="compute", cost=CostModel(a=1, b=0))
+        >>> order_rows(costs, compute, seed=1).tolist()
         [1, 3, 0, 2]
     """
     seeds = (seed,) if isinstance(seed, int | np.integer) else tuple(seed)
     order = np.random.default_rng(seeds).permutation(len(row_costs))
-    per_batch = dp_size * micro_batches * rows_per_micro_batch
     if pad:
-        order = np.concatenate((order, np.full(-len(order) % per_batch, -1, dtype=np.int64)))
-    if balance == "token":
+        filler = np.full(-len(order) % loading.rows_per_step, -1, dtype=np.int64)
+        order = np.concatenate((order, filler))
+    if loading.balance == "token":
         return order
-    return compute_order(
-        order,
-        row_costs,
-        dp_size=dp_size,
-        micro_batches=micro_batches,
-        rows_per_micro_batch=rows_per_micro_batch,
-        seed=(*seeds, 13),
-    )
+    return compute_order(order, row_costs, loading, seed=(*seeds, 13))
 
 
 def compute_order(
     order: np.ndarray,
     row_costs: np.ndarray,
+    loading: LoadOptions,
     *,
-    dp_size: int,
-    micro_batches: int,
-    rows_per_micro_batch: int = 1,
     seed: int | tuple[int, ...] = 0,
 ) -> np.ndarray:
     """The compute plan for a token-plan ``order``: balanced global batches, balanced ranks.
@@ -155,51 +118,34 @@ def compute_order(
         order: [N] token-plan order (``-1`` for filler rows, which `stratify` keeps in the last
             global batch).
         row_costs: [rows] cost of every row.
-        dp_size, micro_batches, rows_per_micro_batch: the layout (module docstring).
+        loading: the dealing (``dp_size``, ``micro_batches``, ``rows_per_micro_batch``).
         seed: seeds `stratify` (e.g. ``(seed, epoch)``).
 
     Returns:
         [N] order: the same entries, each real row exactly once.
     """
-    layout = {"dp_size": dp_size, "micro_batches": micro_batches}
-    layout["rows_per_micro_batch"] = rows_per_micro_batch
     from megapack.packing.layers import deal_layers, stratify
 
-    layered = stratify(order, row_costs, dp_size, np.random.default_rng(seed))
-    layered = deal_layers(layered, row_costs, **layout)
-    if imbalance(layered, row_costs, **layout) <= imbalance(order, row_costs, **layout):
+    layered = stratify(order, row_costs, loading.dp_size, np.random.default_rng(seed))
+    layered = deal_layers(layered, row_costs, loading)
+    if imbalance(layered, row_costs, loading) <= imbalance(order, row_costs, loading):
         return layered  # (1) can only do better than the token plan; skip computing it
-    same_batches = balance_order(order, row_costs, **layout)
-    if imbalance(same_batches, row_costs, **layout) < imbalance(layered, row_costs, **layout):
+    same_batches = balance_order(order, row_costs, loading)
+    if imbalance(same_batches, row_costs, loading) < imbalance(layered, row_costs, loading):
         return same_batches
     return layered
 
 
-def rank_costs(
-    order: np.ndarray,
-    row_costs: np.ndarray,
-    *,
-    dp_size: int,
-    micro_batches: int,
-    rows_per_micro_batch: int = 1,
-) -> np.ndarray:
+def rank_costs(order: np.ndarray, row_costs: np.ndarray, loading: LoadOptions) -> np.ndarray:
     """[global batches, dp_size] step cost of every rank (a partial last batch padded with 0)."""
     order = np.asarray(order, dtype=np.int64)
     costs = np.where(order >= 0, np.asarray(row_costs, dtype=np.float64)[order], 0.0)
-    per_batch = dp_size * micro_batches * rows_per_micro_batch
-    costs = np.concatenate((costs, np.zeros(-len(costs) % per_batch)))
-    micro = costs.reshape(-1, rows_per_micro_batch).sum(axis=1)
-    return micro.reshape(-1, micro_batches, dp_size).sum(axis=1)
+    costs = np.concatenate((costs, np.zeros(-len(costs) % loading.rows_per_step)))
+    micro = costs.reshape(-1, loading.rows_per_micro_batch).sum(axis=1)
+    return micro.reshape(-1, loading.micro_batches, loading.dp_size).sum(axis=1)
 
 
-def imbalance(
-    order: np.ndarray,
-    row_costs: np.ndarray,
-    *,
-    dp_size: int,
-    micro_batches: int,
-    rows_per_micro_batch: int = 1,
-) -> float:
+def imbalance(order: np.ndarray, row_costs: np.ndarray, loading: LoadOptions) -> float:
     """Mean over the full global batches of ``max rank cost / mean rank cost`` (1.0: perfect).
 
     A global batch with filler rows (the last one, when the rows do not fill it) is left out: no
@@ -209,13 +155,12 @@ def imbalance(
     Example, costs ``[3, 1, 2, 2]``, dp 2, one micro-batch of one row: rank costs ``[3, 1]`` and
     ``[2, 2]``, imbalance ``(3 / 2 + 2 / 2) / 2``:
 
-        >>> imbalance(np.arange(4), np.array([3.0, 1, 2, 2]), dp_size=2, micro_batches=1)
+        >>> imbalance(np.arange(4), np.array([3.0, 1, 2, 2]), LoadOptions(dp_size=2))
         1.25
     """
     order = np.asarray(order, dtype=np.int64)
-    layout = {"dp_size": dp_size, "micro_batches": micro_batches}
-    steps = rank_costs(order, row_costs, **layout, rows_per_micro_batch=rows_per_micro_batch)
-    per_batch = dp_size * micro_batches * rows_per_micro_batch
+    steps = rank_costs(order, row_costs, loading)
+    per_batch = loading.rows_per_step
     padded = np.concatenate((order, np.full(-len(order) % per_batch, -1, dtype=np.int64)))
     full = (padded.reshape(-1, per_batch) >= 0).all(axis=1)
     if full.any():

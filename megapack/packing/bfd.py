@@ -20,11 +20,11 @@ Which bin of a bucket takes an item is a tie (equal free space), so the multiset
 the number of bins, equal a per-item reference BFD's exactly; the tests check this on random
 inputs.
 
-Worked example, sizes ``[3, 2, 4]`` at capacity 5: 4 opens bin 0 (1 free), 3 opens bin 1 (2 free),
+Worked example, sizes ``[3, 2, 4]`` at seq_len 5: 4 opens bin 0 (1 free), 3 opens bin 1 (2 free),
 2 goes to bin 1, the smallest free space that holds it: bins ``[[4], [3, 2]]``.
 
 Measured here (2-core CPU): 1,000,000 lognormal sizes (``lognormal(6, 1)`` clipped to [1, 4096]),
-capacity 4,096: 0.11 s for this function, 157,517 bins (lower bound 157,510); 0.25-0.3 s for the
+seq_len 4,096: 0.11 s for this function, 157,517 bins (lower bound 157,510); 0.25-0.3 s for the
 whole ``plan()`` with a traced peak of 92 MiB (a dozen int64 arrays of n entries). A million
 *distinct* sizes (uniform in [1, 131072]) is the slow case, one Python loop turn per size: 0.9 s.
 """
@@ -37,12 +37,12 @@ from collections import deque
 import numpy as np
 
 
-def best_fit_decreasing(sizes: np.ndarray, capacity: int) -> np.ndarray:
+def best_fit_decreasing(sizes: np.ndarray, seq_len: int) -> np.ndarray:
     """Pack items with best-fit decreasing; return the bin of every item.
 
     Args:
-        sizes: 1-D int64 array, every size in ``[1, capacity]``.
-        capacity: bin capacity, positive.
+        sizes: 1-D int64 array, every size in ``[1, seq_len]``.
+        seq_len: tokens a bin (row), positive.
 
     Returns:
         [n] int64 bin ids, numbered ``0, 1, ...`` in the order the bins were opened (bin 0 holds
@@ -56,7 +56,7 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int) -> np.ndarray:
     bin_of = np.empty(n, dtype=np.int64)
     if n == 0:
         return bin_of
-    c = int(capacity)
+    c = int(seq_len)
     order = np.argsort(-sizes, kind="stable")
     sorted_sizes = sizes[order]
     starts = np.flatnonzero(np.diff(sorted_sizes, prepend=sorted_sizes[0] + 1))

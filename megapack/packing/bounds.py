@@ -1,7 +1,7 @@
 """Lower bounds on the number of bins: the trivial L1 and Martello-Toth's L2.
 
 A plan's quality is judged against a lower bound, never against another heuristic. Two bounds, for
-item sizes ``w`` (every ``0 < w <= C``) and bin capacity ``C``:
+item sizes ``w`` (every ``0 < w <= C``) and bins (rows) of ``C`` tokens (``seq_len``):
 
 ``L1 = ceil(sum(w) / C)``: even a perfect packing needs that many bins.
 
@@ -22,7 +22,7 @@ L(4) = 3 + 0 + ceil((12 - 0) / 10) = 5 = L2, which is also the optimum (7 | 7 | 
 K = 0 the 7s fall in J2 with 3 free tokens each, and L(0) = 3 + ceil((12 - 9) / 10) = 4 = L1.
 
 Cost: one sort plus vectorized prefix sums, O(n log n); 1,000,000 sizes take about 0.07 s here. On the
-OpenChat V1 lengths (capacity 2,048) L1 = 4,650 and L2 = 4,663.
+OpenChat V1 lengths (seq_len 2,048) L1 = 4,650 and L2 = 4,663.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from __future__ import annotations
 import numpy as np
 
 
-def l1_bound(sizes: np.ndarray, capacity: int) -> int:
-    """Return ``ceil(sum(sizes) / capacity)``, the trivial bound.
+def l1_bound(sizes: np.ndarray, seq_len: int) -> int:
+    """Return ``ceil(sum(sizes) / seq_len)``, the trivial bound.
 
     Args:
-        sizes: 1-D integer array of item sizes, each in ``[1, capacity]``.
-        capacity: bin capacity, positive.
+        sizes: 1-D integer array of item sizes, each in ``[1, seq_len]``.
+        seq_len: tokens a bin (row), positive.
 
     Returns:
         The bound as a Python int (0 for no items).
@@ -45,15 +45,15 @@ def l1_bound(sizes: np.ndarray, capacity: int) -> int:
         2
     """
     total = int(np.asarray(sizes, dtype=np.int64).sum())
-    return -(-total // capacity)
+    return -(-total // seq_len)
 
 
-def l2_bound(sizes: np.ndarray, capacity: int) -> int:
+def l2_bound(sizes: np.ndarray, seq_len: int) -> int:
     """Return Martello and Toth's L2 bound (see the module docstring), vectorized with numpy.
 
     Args:
-        sizes: 1-D integer array of item sizes, each in ``[1, capacity]``.
-        capacity: bin capacity, positive.
+        sizes: 1-D integer array of item sizes, each in ``[1, seq_len]``.
+        seq_len: tokens a bin (row), positive.
 
     Returns:
         ``max over K of L(K)`` as a Python int (0 for no items). ``L(0)`` equals L1 whenever some
@@ -67,7 +67,7 @@ def l2_bound(sizes: np.ndarray, capacity: int) -> int:
     n = len(w)
     if n == 0:
         return 0
-    c = int(capacity)
+    c = int(seq_len)
     prefix = np.concatenate(([0], np.cumsum(w)))  # prefix[i] = sum of the i smallest sizes
     # Items are "large" (J1 or J2) when 2w > C; everything else is a candidate for J3.
     first_large = int(np.searchsorted(w, c // 2, side="right"))  # first index with 2w > C
@@ -89,12 +89,12 @@ def l2_bound(sizes: np.ndarray, capacity: int) -> int:
     return int(bound.max())
 
 
-def lower_bound(sizes: np.ndarray, capacity: int) -> int:
+def lower_bound(sizes: np.ndarray, seq_len: int) -> int:
     """Return ``max(L1, L2)``, the bound a `PackPlan` reports.
 
     Args:
-        sizes: 1-D integer array of item sizes, each in ``[1, capacity]``.
-        capacity: bin capacity, positive.
+        sizes: 1-D integer array of item sizes, each in ``[1, seq_len]``.
+        seq_len: tokens a bin (row), positive.
 
     Returns:
         A number of bins that no packing of these items can beat.
@@ -103,4 +103,4 @@ def lower_bound(sizes: np.ndarray, capacity: int) -> int:
         >>> lower_bound(np.array([7, 7, 7, 4, 4, 4]), 10)
         5
     """
-    return max(l1_bound(sizes, capacity), l2_bound(sizes, capacity))
+    return max(l1_bound(sizes, seq_len), l2_bound(sizes, seq_len))

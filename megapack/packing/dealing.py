@@ -4,13 +4,15 @@
 first, then swaps that lower the maximum, `refine_pairs`); `balance_order` deals each global batch of
 an order that way (rank sets, then each rank's micro-batches); `pipeline_order` orders a rank's
 micro-batches for pipeline parallelism. `megapack.packing.balance` builds the plans from them and
-`megapack.packing.layers` deals layered global batches with them (layout and worked example:
-`megapack.packing.balance`).
+`megapack.packing.layers` deals layered global batches with them (the dealing and a worked
+example: `megapack.packing.balance`).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from megapack.packing.options import LoadOptions
 
 _MAX_SWAPS = 1_000
 """Safety cap on the swap refinement of one partition (each swap strictly lowers the sorted loads)."""
@@ -82,20 +84,13 @@ def refine_pairs(costs: np.ndarray, group: np.ndarray, k: int) -> None:
         group[i], group[j] = group[j], group[i]
 
 
-def balance_order(
-    order: np.ndarray,
-    row_costs: np.ndarray,
-    *,
-    dp_size: int,
-    micro_batches: int,
-    rows_per_micro_batch: int = 1,
-) -> np.ndarray:
+def balance_order(order: np.ndarray, row_costs: np.ndarray, loading: LoadOptions) -> np.ndarray:
     """Re-deal each global batch of ``order`` so every DP rank's step costs about the same.
 
     Args:
         order: [N] row indices in token-plan order, ``-1`` for filler rows (cost 0).
         row_costs: [rows] cost of every row (`CostModel.bin_costs`).
-        dp_size, micro_batches, rows_per_micro_batch: the layout of the module docstring. A last,
+        loading: ``dp_size``, ``micro_batches``, ``rows_per_micro_batch`` (`balance`). A last,
             partial global batch is balanced within the slots each rank gets there.
 
     Returns:
@@ -103,7 +98,7 @@ def balance_order(
     """
     order = np.asarray(order, dtype=np.int64)
     costs = np.where(order >= 0, np.asarray(row_costs, dtype=np.float64)[order], 0.0)
-    r, dp, m = rows_per_micro_batch, dp_size, micro_batches
+    r, dp, m = loading.rows_per_micro_batch, loading.dp_size, loading.micro_batches
     out = order.copy()
     for lo in range(0, len(order), dp * m * r):
         hi = min(lo + dp * m * r, len(order))

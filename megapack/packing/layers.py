@@ -14,7 +14,7 @@ the lower) and 4 to rank 0; layer 3 gives 3 to rank 1 (12 < 13) and 2 to rank 0:
 each rank the cheapest micro-batch goes first and the second cheapest last:
 
     >>> costs = np.array([9.0, 7, 5, 4, 3, 2])
-    >>> costs[deal_layers(np.arange(6), costs, dp_size=2, micro_batches=3)].tolist()
+    >>> costs[deal_layers(np.arange(6), costs, LoadOptions(dp_size=2, micro_batches=3))].tolist()
     [2.0, 3.0, 9.0, 7.0, 4.0, 5.0]
 
 (micro-batch ``j`` goes to rank ``j % 2``: rank 0 runs 2, 9, 4 and rank 1 runs 3, 7, 5.)
@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from megapack.packing.dealing import balance_order, pipeline_order, refine_pairs
+from megapack.packing.options import LoadOptions
 
 REFINE_ABOVE = 1.0005
 """Batches whose max rank cost / mean exceeds this after the layer deal get the swap refinement."""
@@ -56,14 +57,7 @@ def stratify(
     return np.concatenate((layers.reshape(-1), ranked[full * dp_size :], fillers))
 
 
-def deal_layers(
-    order: np.ndarray,
-    row_costs: np.ndarray,
-    *,
-    dp_size: int,
-    micro_batches: int,
-    rows_per_micro_batch: int = 1,
-) -> np.ndarray:
+def deal_layers(order: np.ndarray, row_costs: np.ndarray, loading: LoadOptions) -> np.ndarray:
     """Deal a `stratify` order so every rank's step costs about the same (module docstring).
 
     With ``R = rows_per_micro_batch`` above 1 a rank's ``M * R`` rows are grouped into its ``M``
@@ -73,14 +67,14 @@ def deal_layers(
     Args:
         order: [N] rows in layer order, ``-1`` fillers at the end.
         row_costs: [rows] cost of every row.
-        dp_size, micro_batches, rows_per_micro_batch: the layout (balance.py).
+        loading: ``dp_size``, ``micro_batches``, ``rows_per_micro_batch`` (balance.py).
 
     Returns:
         [N] the dealt order; a last, partial global batch goes through `balance.balance_order`.
     """
     order = np.asarray(order, dtype=np.int64)
     costs = np.asarray(row_costs, dtype=np.float64)
-    dp, m, r = dp_size, micro_batches, rows_per_micro_batch
+    dp, m, r = loading.dp_size, loading.micro_batches, loading.rows_per_micro_batch
     slots = m * r  # rows per rank per step: one per layer
     per_batch = dp * slots
     full = int((order >= 0).sum()) // per_batch
@@ -120,7 +114,5 @@ def deal_layers(
         out[: full * per_batch] = micro.transpose(0, 2, 1, 3).reshape(-1)
     rest = order[full * per_batch :]
     if len(rest):
-        out[full * per_batch :] = balance_order(
-            rest, costs, dp_size=dp, micro_batches=m, rows_per_micro_batch=r
-        )
+        out[full * per_batch :] = balance_order(rest, costs, loading)
     return out

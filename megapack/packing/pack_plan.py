@@ -1,19 +1,22 @@
-"""`PackPlan`: which token slices of which documents go into which bin (row), and how well.
+"""`PackPlan`: which pieces of which documents go into which bin (row), and how well.
 
-A plan is stored compactly, in CSR form, so that it costs O(number of slices) memory even for
-millions of documents: ``slices`` is an ``[S, 3]`` int64 array of ``(doc_index, start, stop)`` rows,
-bin after bin, and ``bin_offsets`` (``[B + 1]``, from 0) says where each bin's rows begin.
+A plan is stored compactly, in CSR form, so that it costs O(number of pieces) memory even for
+millions of documents: ``slices`` is an ``[S, 3]`` int64 array of pieces ``(doc_index, start,
+stop)`` (`megapack.packing.pieces`), bin after bin, and ``bin_offsets`` (``[B + 1]``, from 0) says
+where each bin's pieces begin.
 
-Worked example, lengths ``[3, 2, 4]`` at capacity 5 with best-fit decreasing:
+Worked example, lengths ``[3, 2, 4]`` at seq_len 5 with best-fit decreasing:
 
     bins         [[(2, 0, 4)], [(0, 0, 3), (1, 0, 2)]]     bin 0: document 2; bin 1: documents 0, 1
     slices       [[2, 0, 4], [0, 0, 3], [1, 0, 2]]
     bin_offsets  [0, 1, 3]
     bin_loads    [4, 5]          efficiency 9 / (2 x 5) = 90%, lower bound 2 (gap 0)
 
-A document split at capacity 5 (length 12) appears as ``(i, 0, 5), (i, 5, 10), (i, 10, 12)``.
-``bins`` builds the nested Python lists on first access (about 1 s per million slices) and caches
-them; ``bin(i)`` and ``to_arrays()`` give array views without that cost.
+A document split at seq_len 5 (length 12) appears as ``(i, 0, 5), (i, 5, 10), (i, 10, 12)``. With
+a padding ``multiple`` above 1 each piece takes ``ceil(size / multiple) * multiple`` slots of its
+row; the pieces hold the real tokens, so ``efficiency`` counts real tokens and ``padding_tokens``
+the alignment padding. ``bins`` builds the nested Python lists on first access (about 1 s per
+million pieces) and caches them; ``bin(i)`` and ``to_arrays()`` give array views without that cost.
 """
 
 from __future__ import annotations
@@ -25,40 +28,27 @@ from typing import Any
 import numpy as np
 
 from megapack.packing.bounds import lower_bound as bins_lower_bound
-
-Slice = tuple[int, int, int]
-"""One ``(doc_index, start, stop)`` token slice: tokens ``start:stop`` of document ``doc_index``."""
+from megapack.packing.pieces import LongDocCounts
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
-class PackPlan:
-    """Bins of document slices, with the quality measures; see the module docstring for an example."""
+class PackPlan(LongDocCounts):
+    """Bins of pieces, with the quality measures and what the long-document policy did
+    (`LongDocCounts`); see the module docstring for an example."""
 
-    capacity: int
-    """Tokens per bin."""
+    seq_len: int
+    """Tokens a bin (row)."""
     algorithm: str
     """The algorithm that made the plan ("bfd", "ffd", "first_fit", "next_fit", "best", ...)."""
     bin_offsets: np.ndarray = field(repr=False)
     """[num_bins + 1] int64, read-only: bin b holds ``slices[bin_offsets[b]:bin_offsets[b + 1]]``."""
     slices: np.ndarray = field(repr=False)
-    """[num_slices, 3] int64, read-only: ``(doc_index, start, stop)`` rows, bin after bin."""
+    """[num_slices, 3] int64, read-only: pieces ``(doc_index, start, stop)``, bin after bin."""
     lower_bound: int
-    """No packing of these slices uses fewer bins: ``max(L1, L2)`` (see bounds.py)."""
-    num_docs: int
-    """Documents given to the planner, kept or not."""
-    num_split_docs: int = 0
-    """Documents longer than the capacity, split into several slices (possibly in several bins)."""
-    split_tokens: int = 0
-    """Tokens of the split documents; all of them are packed."""
-    num_truncated_docs: int = 0
-    """Documents cut to their first ``capacity`` tokens."""
-    truncated_tokens: int = 0
-    """Tokens cut off truncated documents; not packed."""
-    num_dropped_docs: int = 0
-    """Documents left out for being longer than the capacity."""
-    dropped_tokens: int = 0
-    """Tokens of dropped documents; not packed."""
-    _bins: list[list[Slice]] | None = field(default=None, init=False, repr=False)
+    """No packing of these pieces uses fewer bins: ``max(L1, L2)`` (see bounds.py)."""
+    multiple: int = 1
+    """Every piece is padded to a multiple of this in its row (`PackOptions.multiple`)."""
+    _bins: list[list[tuple[int, int, int]]] | None = field(default=None, init=False, repr=False)
     """Cache of `bins`."""
 
     def __post_init__(self) -> None:
@@ -78,8 +68,8 @@ class PackPlan:
     @classmethod
     def from_bins(
         cls,
-        bins: list[list[Slice]],
-        capacity: int,
+        bins: list[list[tuple[int, int, int]]],
+        seq_len: int,
         *,
         algorithm: str = "custom",
         num_docs: int | None = None,
@@ -88,7 +78,7 @@ class PackPlan:
 
         Args:
             bins: each bin a list of ``(doc_index, start, stop)``.
-            capacity: tokens per bin.
+            seq_len: tokens a bin.
             algorithm: a label for reports.
             num_docs: number of input documents; default ``1 + the largest doc_index``.
 
@@ -103,21 +93,21 @@ class PackPlan:
         rows = np.array([s for b in bins for s in b], dtype=np.int64).reshape(-1, 3)
         sizes = rows[:, 2] - rows[:, 1]
         return cls(
-            capacity=capacity,
+            seq_len=seq_len,
             algorithm=algorithm,
             bin_offsets=np.concatenate(([0], np.cumsum(counts, dtype=np.int64))),
             slices=rows,
-            lower_bound=bins_lower_bound(sizes, capacity) if len(sizes) else 0,
+            lower_bound=bins_lower_bound(sizes, seq_len) if len(sizes) else 0,
             num_docs=num_docs if num_docs is not None else int(rows[:, 0].max(initial=-1)) + 1,
         )
 
     @property
     def num_bins(self) -> int:
-        """Number of bins (rows of ``capacity`` tokens)."""
+        """Number of bins (rows of ``seq_len`` tokens)."""
         return len(self.bin_offsets) - 1
 
     @property
-    def bins(self) -> list[list[Slice]]:
+    def bins(self) -> list[list[tuple[int, int, int]]]:
         """Each bin as a list of ``(doc_index, start, stop)`` tuples (built once, then cached)."""
         if self._bins is None:
             rows = list(map(tuple, self.slices.tolist()))
@@ -141,16 +131,31 @@ class PackPlan:
         return totals[self.bin_offsets[1:]] - totals[self.bin_offsets[:-1]]
 
     @property
+    def bin_slots(self) -> np.ndarray:
+        """[num_bins] int64 slots each bin fills: its tokens plus their alignment padding (at most
+        ``seq_len``)."""
+        sizes = self.slices[:, 2] - self.slices[:, 1]
+        totals = np.concatenate(([0], np.cumsum(sizes + -sizes % self.multiple)))
+        return totals[self.bin_offsets[1:]] - totals[self.bin_offsets[:-1]]
+
+    @property
     def packed_tokens(self) -> int:
         """Tokens placed in bins."""
         return int((self.slices[:, 2] - self.slices[:, 1]).sum())
 
     @property
     def efficiency(self) -> float:
-        """``packed_tokens / (num_bins * capacity)``; 0.0 for a plan with no bins."""
+        """``packed_tokens / (num_bins * seq_len)``: real tokens, alignment padding not counted;
+        0.0 for a plan with no bins."""
         if self.num_bins == 0:
             return 0.0
-        return self.packed_tokens / (self.num_bins * self.capacity)
+        return self.packed_tokens / (self.num_bins * self.seq_len)
+
+    @property
+    def padding_tokens(self) -> int:
+        """Slots of alignment padding: each piece padded to a multiple of ``multiple``."""
+        sizes = self.slices[:, 2] - self.slices[:, 1]
+        return int((-sizes % self.multiple).sum())
 
     @property
     def gap(self) -> int:
@@ -173,18 +178,13 @@ class PackPlan:
         offsets = np.concatenate(([0], np.cumsum(counts)))
         take = np.repeat(self.bin_offsets[order] - offsets[:-1], counts) + np.arange(offsets[-1])
         return PackPlan(
-            capacity=self.capacity,
+            seq_len=self.seq_len,
             algorithm=self.algorithm,
             bin_offsets=offsets,
             slices=self.slices[take],
             lower_bound=self.lower_bound,
-            num_docs=self.num_docs,
-            num_split_docs=self.num_split_docs,
-            split_tokens=self.split_tokens,
-            num_truncated_docs=self.num_truncated_docs,
-            truncated_tokens=self.truncated_tokens,
-            num_dropped_docs=self.num_dropped_docs,
-            dropped_tokens=self.dropped_tokens,
+            multiple=self.multiple,
+            **self.counts(),
         )
 
     def to_arrays(self) -> dict[str, np.ndarray]:
@@ -200,13 +200,14 @@ class PackPlan:
         }
 
     def validate(self) -> PackPlan:
-        """Check that no bin is empty or over capacity and every slice is non-empty.
+        """Check that no bin is empty or over ``seq_len`` (padding included) and every piece is
+        non-empty.
 
         Returns:
             self.
 
         Raises:
-            ValueError: naming the first offending bin or slice.
+            ValueError: naming the first offending bin or piece.
         """
         counts = np.diff(self.bin_offsets)
         if len(counts) and counts.min() <= 0:
@@ -215,14 +216,13 @@ class PackPlan:
         bad = np.flatnonzero((sizes <= 0) | (self.slices[:, 1] < 0))
         if len(bad):
             raise ValueError(
-                f"slice {int(bad[0])} {self.slices[bad[0]].tolist()} is empty or negative"
+                f"piece {int(bad[0])} {self.slices[bad[0]].tolist()} is empty or negative"
             )
-        over = np.flatnonzero(self.bin_loads > self.capacity)
+        slots = self.bin_slots
+        over = np.flatnonzero(slots > self.seq_len)
         if len(over):
             b = int(over[0])
-            raise ValueError(
-                f"bin {b} holds {int(self.bin_loads[b])} tokens > capacity={self.capacity}"
-            )
+            raise ValueError(f"bin {b} holds {int(slots[b])} tokens > seq_len={self.seq_len}")
         return self
 
     def report(self) -> str:
@@ -236,9 +236,9 @@ class PackPlan:
         gap_pct = 100.0 * self.gap / self.num_bins if self.num_bins else 0.0
         return "\n".join(
             [
-                f"PackPlan ({self.algorithm}, capacity {self.capacity:,})",
-                f"  documents    {self.num_docs:,} -> {len(self.slices):,} slices in {self.num_bins:,} bins",
-                f"  tokens       {self.packed_tokens:,} packed in {self.num_bins * self.capacity:,}"
+                f"PackPlan ({self.algorithm}, seq_len {self.seq_len:,})",
+                f"  documents    {self.num_docs:,} -> {len(self.slices):,} pieces in {self.num_bins:,} bins",
+                f"  tokens       {self.packed_tokens:,} packed in {self.num_bins * self.seq_len:,}"
                 f" slots: efficiency {100.0 * self.efficiency:.3f}%",
                 f"  lower bound  {self.lower_bound:,} bins: gap {self.gap:,} bins ({gap_pct:.2f}%)",
                 f"  long docs    {self.num_split_docs:,} split ({self.split_tokens:,} tokens, all packed),"
@@ -251,19 +251,11 @@ class PackPlan:
     def __eq__(self, other: Any) -> bool:
         if not isinstance(other, PackPlan):
             return NotImplemented
-        scalars = (
-            "capacity",
-            "algorithm",
-            "lower_bound",
-            "num_docs",
-            "num_split_docs",
-            "split_tokens",
-            "num_truncated_docs",
-            "truncated_tokens",
-            "num_dropped_docs",
-            "dropped_tokens",
-        )
-        return all(getattr(self, a) == getattr(other, a) for a in scalars) and (
+        scalars = ("seq_len", "algorithm", "lower_bound", "multiple")
+        return (
+            all(getattr(self, a) == getattr(other, a) for a in scalars)
+            and self.counts() == other.counts()
+        ) and (
             np.array_equal(self.bin_offsets, other.bin_offsets)
             and np.array_equal(self.slices, other.slices)
         )

@@ -1,4 +1,4 @@
-"""A partial packing: bins that respect the capacity plus a pool of unassigned items, and its moves.
+"""A partial packing: bins of at most seq_len tokens plus a pool of unassigned items, and its moves.
 
 This is the state the local search (search.py) works on, following Buljubasic and Vasquez's
 consistent neighborhood search (2016): to go from B bins to B - 1, delete r bins (r = 3 when it
@@ -32,7 +32,6 @@ in all about 3,300 steps per second there (2-core CPU).
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -50,9 +49,9 @@ LINEAR, SQUARED = "linear", "squared"
 
 
 class PartialPacking:
-    """Bins within capacity plus a pool of unassigned items (see the module docstring).
+    """Bins within seq_len plus a pool of unassigned items (see the module docstring).
 
-    Example: sizes ``[6, 3, 3, 4, 4]`` at capacity 10, bins ``[[0, 1], [3]]`` (loads 9 and 4) and
+    Example: sizes ``[6, 3, 3, 4, 4]`` at seq_len 10, bins ``[[0, 1], [3]]`` (loads 9 and 4) and
     pool ``[2, 4]`` (a 3 and a 4), so ``fits(1)`` but not ``fits(0)``. The 6 is an anchor.
     ``descent(target=0)`` re-solves the bins in random order over their items plus the pool; when
     bin 0 comes first its movable room of 4 takes the 4 instead of its 3 (6 + 4 = 10), then bin 1
@@ -63,24 +62,22 @@ class PartialPacking:
         self,
         weights: Sequence[int],
         weight_class: Sequence[int],
-        capacity: int,
+        seq_len: int,
         bins: list[list[int]],
         pool: list[int],
         *,
         objective: str,
         rng: random.Random,
-        deadline: float | None,
     ) -> None:
         self.w = weights
         self.cls = weight_class
-        self.c = capacity
+        self.c = seq_len
         self.rng = rng
         self.np_rng = np.random.default_rng(rng.getrandbits(64))
-        self.deadline = deadline
         self.steps = 0
-        big = [[i for i in b if 2 * weights[i] > capacity] for b in bins]
+        big = [[i for i in b if 2 * weights[i] > seq_len] for b in bins]
         self.anchors = big
-        self.items = [[i for i in b if 2 * weights[i] <= capacity] for b in bins]
+        self.items = [[i for i in b if 2 * weights[i] <= seq_len] for b in bins]
         self.fixed = [sum(weights[i] for i in a) for a in big]
         self.load = np.array(
             [f + sum(weights[i] for i in it) for f, it in zip(self.fixed, self.items, strict=True)],
@@ -240,8 +237,6 @@ class PartialPacking:
             for k in order:
                 if self.load[k] == c or self.checked[k] >= newest:
                     continue
-                if self.out_of_time():
-                    return False
                 self.checked[k] = newest
                 cand = sorted(self.items[k] + self.pool, key=lambda i: (-w[i], i))
                 best, chosen = best_subset([w[i] for i in cand], c - self.fixed[k])
@@ -301,7 +296,3 @@ class PartialPacking:
         for i, b in zip(self.pool, where.tolist(), strict=True):
             extra[b].append(i)
         return self.bins() + extra
-
-    def out_of_time(self) -> bool:
-        """Whether the wall-clock deadline has passed."""
-        return self.deadline is not None and time.perf_counter() >= self.deadline

@@ -1,64 +1,96 @@
-"""From document lengths to packable items: validation and the long-document policies.
+"""Pieces: what a packer packs, ``(doc_index, start, stop)``, and the long-document policies.
 
-A packing algorithm sees only items, token slices ``(doc_index, start, stop)`` of at most
-``capacity`` tokens. Documents that fit become one item ``(i, 0, length)``; a document longer than
-the capacity is handled by ``long_docs``:
+A *piece* is tokens ``start:stop`` of document ``doc_index``, at most ``seq_len`` tokens: a whole
+document that fits a row is one piece ``(i, 0, length)``; a document longer than a row is handled
+by ``long_docs``:
 
-    "split"     chunks of ``capacity`` tokens plus a shorter last chunk; no token is lost
-    "truncate"  one item with the first ``capacity`` tokens; the rest counts as truncated
-    "drop"      no item; the document counts as dropped
+    "split"     pieces of ``seq_len`` tokens plus a shorter last one; no token is lost
+    "truncate"  one piece of the first ``seq_len`` tokens; the rest counts as truncated
+    "drop"      no piece; the document counts as dropped
     "error"     ValueError naming the first long document (its index and length)
 
-Worked example, lengths ``[12, 3]`` at capacity 5 with "split": items ``(0, 0, 5), (0, 5, 10),
+One name, three forms: `Piece`, one piece as a `StreamingPacker` yields it (with its document);
+`Pieces`, many pieces as columns (``doc_index``, ``start``, ``stop`` arrays: `make_pieces`'s
+result, what `megapack.packing.plan` packs); and a plan's rows of pieces (`PackPlan.slices`, an
+``[n, 3]`` array; `PackPlan.bins`, ``(doc_index, start, stop)`` tuples).
+
+Worked example, lengths ``[12, 3]`` at seq_len 5 with "split": pieces ``(0, 0, 5), (0, 5, 10),
 (0, 10, 12), (1, 0, 3)`` (sizes 5, 5, 2, 3), one split document holding 12 tokens. With "truncate":
 ``(0, 0, 5), (1, 0, 3)`` and 7 truncated tokens; with "drop": ``(1, 0, 3)`` and 12 dropped tokens.
 
-Items are listed by document, then by position in the document. Everything is vectorized numpy:
+Pieces are listed by document, then by position in the document. Everything is vectorized numpy:
 O(n) time and memory for n documents (1,000,000 lengths: about 70 ms with splitting, 5 ms without).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from megapack.packing.names import LONG_DOC_POLICIES
+from megapack.packing.options import check_choice
+
+
+class Piece(NamedTuple):
+    """Tokens ``start:stop`` of ``doc``, the ``doc_index``-th document (as a `StreamingPacker`
+    yields it: ``doc_index`` counts the stream's documents from 0)."""
+
+    doc_index: int
+    """Which document: its index in the input (the stream), from 0."""
+    start: int
+    """First token of the piece within the document."""
+    stop: int
+    """One past the last token."""
+    doc: Any
+    """The document as the input gave it (token ids or a bare length)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Items:
-    """The packable items of a set of documents, after the long-document policy.
+class LongDocCounts:
+    """What the long-document policy did to the documents (of `Pieces` and of a `PackPlan`)."""
 
-    Example, lengths ``[12, 3]``, capacity 5, "split": ``doc_index [0, 0, 0, 1]``, ``start [0, 5,
+    num_docs: int
+    """Documents given, kept or not."""
+    num_split_docs: int = 0
+    """Documents longer than ``seq_len``, split into several pieces (possibly in several rows)."""
+    split_tokens: int = 0
+    """Tokens of the split documents; all of them are packed."""
+    num_truncated_docs: int = 0
+    """Documents cut to their first ``seq_len`` tokens."""
+    truncated_tokens: int = 0
+    """Tokens cut off truncated documents; not packed."""
+    num_dropped_docs: int = 0
+    """Documents left out for being longer than ``seq_len``."""
+    dropped_tokens: int = 0
+    """Tokens of the dropped documents; not packed."""
+
+    def counts(self) -> dict[str, int]:
+        """The counts alone, as keywords for another `LongDocCounts` (a plan of these pieces)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(LongDocCounts)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pieces(LongDocCounts):
+    """The pieces of a set of documents after the long-document policy, as columns.
+
+    Example, lengths ``[12, 3]``, seq_len 5, "split": ``doc_index [0, 0, 0, 1]``, ``start [0, 5,
     10, 0]``, ``stop [5, 10, 12, 3]``, ``num_split_docs 1``, ``split_tokens 12``.
     """
 
     doc_index: np.ndarray
-    """[m] int64, the document each item comes from, non-decreasing."""
+    """[m] int64, the document each piece comes from, non-decreasing."""
     start: np.ndarray
-    """[m] int64, first token of the item within its document."""
+    """[m] int64, first token of the piece within its document."""
     stop: np.ndarray
-    """[m] int64, one past the last token; ``0 < stop - start <= capacity``."""
-    num_docs: int
-    """Number of input documents, kept or not."""
-    num_split_docs: int = 0
-    """Documents longer than the capacity that were split into several items."""
-    split_tokens: int = 0
-    """Tokens of those split documents (all of them are packed, in several bins)."""
-    num_truncated_docs: int = 0
-    """Documents cut to their first ``capacity`` tokens."""
-    truncated_tokens: int = 0
-    """Tokens cut off the end of truncated documents (not packed)."""
-    num_dropped_docs: int = 0
-    """Documents left out because they were longer than the capacity."""
-    dropped_tokens: int = 0
-    """Tokens of the dropped documents (not packed)."""
+    """[m] int64, one past the last token; ``0 < stop - start <= seq_len``."""
 
     @property
     def sizes(self) -> np.ndarray:
-        """[m] int64 item sizes, ``stop - start``."""
+        """[m] int64 piece sizes, ``stop - start``."""
         return self.stop - self.start
 
 
@@ -106,49 +138,48 @@ def as_lengths(lengths: Sequence[int] | np.ndarray, *, name: str = "lengths") ->
     return out
 
 
-def make_items(
-    lengths: np.ndarray, capacity: int, long_docs: str, *, first: int = 0, where: str = ""
-) -> Items:
-    """Turn validated lengths into items under a long-document policy (see the module docstring).
+def make_pieces(
+    lengths: np.ndarray, seq_len: int, long_docs: str, *, first: int = 0, where: str = ""
+) -> Pieces:
+    """Turn validated lengths into pieces under a long-document policy (module docstring).
 
     Args:
         lengths: 1-D int64 array of positive lengths (from `as_lengths`).
-        capacity: bin capacity in tokens, positive.
+        seq_len: tokens a row, positive.
         long_docs: one of ``LONG_DOC_POLICIES``.
         first, where: how errors name document ``i``: ``f"document {first + i}{where}"`` (the
             streaming packer passes its stream position and ``" of the stream"``).
 
     Returns:
-        The items, ordered by document then position, with the loss counters filled in.
+        The pieces, ordered by document then position, with the loss counters filled in.
 
     Raises:
-        ValueError: ``long_docs`` is unknown, or it is "error" and a document is longer than the
-            capacity (the message names the first such index and its length).
+        ValueError: ``long_docs`` is unknown, or it is "error" and a document is longer than
+            ``seq_len`` (the message names the first such index and its length).
 
     Example:
-        >>> items = make_items(np.array([12, 3]), 5, "split")
-        >>> items.start.tolist(), items.stop.tolist()
+        >>> pieces = make_pieces(np.array([12, 3]), 5, "split")
+        >>> pieces.start.tolist(), pieces.stop.tolist()
         ([0, 5, 10, 0], [5, 10, 12, 3])
     """
-    if long_docs not in LONG_DOC_POLICIES:
-        raise ValueError(f"long_docs must be one of {LONG_DOC_POLICIES}, got {long_docs!r}")
+    check_choice("long_docs", long_docs, LONG_DOC_POLICIES)
     n = len(lengths)
     index = np.arange(n, dtype=np.int64)
-    long = lengths > capacity
+    long = lengths > seq_len
     n_long = int(long.sum())
     if n_long == 0:
-        return Items(doc_index=index, start=np.zeros(n, np.int64), stop=lengths.copy(), num_docs=n)
+        return Pieces(doc_index=index, start=np.zeros(n, np.int64), stop=lengths.copy(), num_docs=n)
     long_tokens = int(lengths[long].sum())
     if long_docs == "error":
         i = int(np.flatnonzero(long)[0])
         raise ValueError(
-            f"document {first + i}{where} has {int(lengths[i])} tokens, more than capacity={capacity} "
+            f"document {first + i}{where} has {int(lengths[i])} tokens, more than seq_len={seq_len} "
             f"({n_long} document(s) are too long); use long_docs='split', 'truncate' or 'drop' "
             "(megapack pack: --long-docs split)"
         )
     if long_docs == "drop":
         keep = ~long
-        return Items(
+        return Pieces(
             doc_index=index[keep],
             start=np.zeros(int(keep.sum()), np.int64),
             stop=lengths[keep],
@@ -157,22 +188,22 @@ def make_items(
             dropped_tokens=long_tokens,
         )
     if long_docs == "truncate":
-        return Items(
+        return Pieces(
             doc_index=index,
             start=np.zeros(n, np.int64),
-            stop=np.minimum(lengths, capacity),
+            stop=np.minimum(lengths, seq_len),
             num_docs=n,
             num_truncated_docs=n_long,
-            truncated_tokens=long_tokens - n_long * capacity,
+            truncated_tokens=long_tokens - n_long * seq_len,
         )
-    # "split": document i becomes ceil(length / capacity) chunks.
-    chunks = -(-lengths // capacity)
+    # "split": document i becomes ceil(length / seq_len) chunks.
+    chunks = -(-lengths // seq_len)
     doc_index = np.repeat(index, chunks)
     first_item = np.cumsum(chunks) - chunks
     chunk_no = np.arange(len(doc_index), dtype=np.int64) - np.repeat(first_item, chunks)
-    start = chunk_no * capacity
-    stop = np.minimum(start + capacity, lengths[doc_index])
-    return Items(
+    start = chunk_no * seq_len
+    stop = np.minimum(start + seq_len, lengths[doc_index])
+    return Pieces(
         doc_index=doc_index,
         start=start,
         stop=stop,

@@ -16,35 +16,33 @@ more bins than BFD. Each *attempt* tries to remove one bin (partial.py):
    (without it some seeds never leave 4,670 bins on OpenChat V1).
 
 Attempts alternate the pool objective between squared and linear token counts (partial.py). The
-search stops at the step budget, the time limit, or when the bins reach the lower bound (then the
-packing is optimal).
+search stops at the step budget (`megapack.packing.PackOptions.search_steps`), or when the bins
+reach the lower bound (then the packing is optimal).
 
 Only bins with free space are searched; full bins are final. Past ``MAX_WORKING_BINS`` bins with
 free space, the ones with the most free space are searched and the rest stay as BFD made them, so
 the cost per step stays bounded on inputs of millions of documents.
 
-Determinism: all randomness comes from ``seed``. With ``time_limit_s=None`` the result is a pure
-function of (sizes, capacity, seed, max_steps). When the time limit stops the search first, the
-result is the best packing found by then: never worse than BFD, but it may differ between runs or
-machines; raise the time limit or lower ``max_steps`` to make the step budget the binding one.
+Determinism: all randomness comes from ``seed``, and the budget counts steps, not seconds: the
+result is a pure function of (sizes, seq_len, seed, max_steps), the same on every machine.
 
-Measured here (2-core CPU, quiet machine) on the OpenChat V1 lengths at capacity 2,048 (BFD: 4,673
-bins = 99.49%; L2 bound 4,663; LP bound ~4,664), seeds 0-9, about 3,300 steps per second:
+Measured on a 2-core AMD EPYC CPU (2026-11-27) on the OpenChat V1 lengths at seq_len 2,048 (BFD:
+4,673 bins = 99.49%; L2 bound 4,663; LP bound ~4,664), seeds 0-9, about 3,300 steps per second:
 
-    time_limit_s   0.5                      1                     3             default (20,000 steps)
-    bins           4,667 (8-9), 4,668 (1-2)  4,667 (8), 4,666 (2)  4,666 (all)   4,666 in 6.0 s (seed 0)
+    max_steps   1,000                               3,300                   10,000        20,000
+    bins        4,667 (6), 4,668 (2), 4,669 (2)     4,666 (2), 4,667 (8)    4,666 (all)   4,666 (all)
+    seconds     0.3                                 1.0                     3.1           6.2 (median)
 
-(counts of seeds; with a wall-clock cap they vary slightly between runs).
+(counts of seeds; the bins are the same on every run and machine, only the seconds vary).
 
 4,667 bins is 99.62% efficient and 4,666 is 99.64%; 4,665 was never found in 40 s. On 1,000,000
-lognormal lengths (capacity 4,096) the search closes BFD's gap of 7 bins to the lower bound 157,510,
+lognormal lengths (seq_len 4,096) the search closes BFD's gap of 7 bins to the lower bound 157,510,
 so it stops early: 2.8 s for the whole ``plan()``.
 """
 
 from __future__ import annotations
 
 import random
-import time
 
 import numpy as np
 
@@ -58,28 +56,24 @@ DESCENT_EVERY = 300
 """Tabu steps between two exact refills (descents)."""
 DELETE = 3
 """Bins an attempt empties into the pool (the pool must then fit into DELETE - 1 bins)."""
-DEFAULT_MAX_STEPS = 20_000
-"""Default step budget of a whole search (about 6 s on OpenChat V1 here, inside the default 10 s)."""
 
 
 def improve(
     sizes: np.ndarray,
     bin_of: np.ndarray,
-    capacity: int,
+    seq_len: int,
     *,
     seed: int = 0,
-    time_limit_s: float | None = 10.0,
-    max_steps: int = DEFAULT_MAX_STEPS,
+    max_steps: int,
     lower_bound: int = 0,
 ) -> np.ndarray:
     """Search for a packing with fewer bins than ``bin_of``; never return one with more.
 
     Args:
-        sizes: 1-D int64 item sizes, each in ``[1, capacity]``.
+        sizes: 1-D int64 item sizes, each in ``[1, seq_len]``.
         bin_of: [n] int64 bin ids of a valid packing (e.g. BFD's), numbered from 0 without gaps.
-        capacity: bin capacity, positive.
+        seq_len: tokens a bin (row), positive.
         seed: seed for every random choice.
-        time_limit_s: wall-clock limit in seconds, or None for none (then only ``max_steps``).
         max_steps: budget of tabu steps over the whole search.
         lower_bound: stop as soon as the packing has this many bins (it is then optimal).
 
@@ -88,18 +82,17 @@ def improve(
         original order.
 
     Example:
-        >>> sizes = np.array([3, 3, 2, 2, 2, 2, 3, 3])  # capacity 10, BFD: 3+3+3 | 3+2+2+2 | 2
+        >>> sizes = np.array([3, 3, 2, 2, 2, 2, 3, 3])  # seq_len 10, BFD: 3+3+3 | 3+2+2+2 | 2
         >>> bfd = np.array([0, 0, 1, 1, 1, 2, 0, 1])
-        >>> int(improve(sizes, bfd, 10, lower_bound=2).max()) + 1  # stops at the bound: optimal
+        >>> int(improve(sizes, bfd, 10, max_steps=100, lower_bound=2).max()) + 1  # the bound: optimal
         2
     """
-    deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
     n = len(sizes)
     num_bins = int(bin_of.max()) + 1 if n else 0
     if num_bins <= max(lower_bound, 1):
         return bin_of
     loads = np.bincount(bin_of, weights=sizes, minlength=num_bins).astype(np.int64)
-    open_bins = np.flatnonzero(loads < capacity)
+    open_bins = np.flatnonzero(loads < seq_len)
     if len(open_bins) > MAX_WORKING_BINS:
         open_bins = np.sort(
             open_bins[np.argsort(loads[open_bins], kind="stable")][:MAX_WORKING_BINS]
@@ -117,10 +110,9 @@ def improve(
     bins = _search(
         weights,
         weight_class,
-        capacity,
+        seq_len,
         bins,
         seed=seed,
-        deadline=deadline,
         max_steps=max_steps,
         goal=lower_bound - frozen,
     )
@@ -137,41 +129,37 @@ def improve(
 def _search(
     weights: list[int],
     weight_class: list[int],
-    capacity: int,
+    seq_len: int,
     bins: list[list[int]],
     *,
     seed: int,
-    deadline: float | None,
     max_steps: int,
     goal: int,
 ) -> list[list[int]]:
-    """Run attempts until the budget, the deadline or the goal; return the best bins found."""
+    """Run attempts until the budget or the goal; return the best bins found."""
     rng = random.Random(seed)
     best = bins
     current = bins
     steps = 0
     attempt = 0
     while steps < max_steps and len(best) > goal:
-        if deadline is not None and time.perf_counter() >= deadline:
-            break
         objective = SQUARED if attempt % 2 == 0 else LINEAR
         attempt += 1
-        light = [k for k, b in enumerate(current) if all(2 * weights[i] <= capacity for i in b)]
+        light = [k for k, b in enumerate(current) if all(2 * weights[i] <= seq_len for i in b)]
         if not light:
             break  # every bin holds an item larger than half a bin: no bin can go
         loads = [sum(weights[i] for i in b) for b in current]
-        light.sort(key=lambda k: loads[k] + rng.random() * capacity / 2)
+        light.sort(key=lambda k: loads[k] + rng.random() * seq_len / 2)
         deleted = set(light[:DELETE])
         target = len(deleted) - 1
         state = PartialPacking(
             weights,
             weight_class,
-            capacity,
+            seq_len,
             [b for k, b in enumerate(current) if k not in deleted],
             [i for k in sorted(deleted) for i in current[k]],
             objective=objective,
             rng=rng,
-            deadline=deadline,
         )
         done = _attempt(state, target, min(ATTEMPT_STEPS, max_steps - steps))
         steps += max(state.steps, 1)
@@ -191,11 +179,11 @@ def _attempt(state: PartialPacking, target: int, budget: int) -> bool:
     """Alternate descents and tabu steps; True once the pool fits into ``target`` bins."""
     if state.fits(target):
         return True
-    while state.steps < budget and not state.out_of_time():
+    while state.steps < budget:
         if state.descent(target):
             return True
         for _ in range(DESCENT_EVERY):
-            if state.steps >= budget or state.out_of_time():
+            if state.steps >= budget:
                 return False
             if not state.tabu_step():
                 return False

@@ -16,9 +16,9 @@ checked here instead, the error naming the key and the value:
     ordered    bins at the front of ready in balanced order     int in [0, len(ready)]; absent: 0
     stats      the six counters of ``StreamingPacker.stats``    each an int >= 0
 
-A piece is ``(position, start, stop, doc)``: ``0 <= position < consumed``, ``0 <= start <
-stop``, ``stop - start <= capacity``. ``ordered`` may be absent (states saved before compute
-balance had it; 0 then).
+A piece (`megapack.packing.Piece`) is ``(doc_index, start, stop, doc)``: ``0 <= doc_index <
+consumed``, ``0 <= start < stop``, ``stop - start <= seq_len``. ``ordered`` may be absent (states
+saved before compute balance had it; 0 then).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from typing import Any
 
 from megapack.core.checks import check_int
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""Version of ``StreamingPacker.state_dict()`` (2: the settings of `PackOptions`, ``seq_len``)."""
 REQUIRED = ("version", "config", "consumed", "rounds", "buffer", "ready", "stats")
 """The keys every state has; ``ordered`` is optional (0)."""
 STATS = ("bins", "tokens", "split_docs", "truncated_tokens", "dropped_docs", "dropped_tokens")
@@ -68,13 +69,13 @@ def check_stream_state(state: Any, config: Mapping[str, Any]) -> dict[str, Any]:
             )
     consumed = check_int("state['consumed']", state["consumed"], minimum=0)
     rounds = check_int("state['rounds']", state["rounds"], minimum=0)
-    capacity = int(config["capacity"])
+    seq_len = int(config["seq_len"])
     buffer = []
     for i, entry in enumerate(_typed("buffer", state["buffer"], list | tuple, "a list")):
         where = f"state['buffer'][{i}]"
         if not isinstance(entry, list | tuple) or len(entry) != 2:
             raise TypeError(f"{where} must be a pair (piece, round), got {_short(entry)}")
-        piece = _piece(where + "[0]", entry[0], consumed, capacity)
+        piece = _piece(where + "[0]", entry[0], consumed, seq_len)
         arrived = check_int(where + "[1]", entry[1], minimum=0)
         if arrived > rounds:
             raise ValueError(
@@ -87,7 +88,7 @@ def check_stream_state(state: Any, config: Mapping[str, Any]) -> dict[str, Any]:
         where = f"state['ready'][{b}]"
         if not isinstance(bin_, list | tuple) or not bin_:
             raise TypeError(f"{where} must be a non-empty list of pieces, got {_short(bin_)}")
-        ready.append([_piece(f"{where}[{k}]", p, consumed, capacity) for k, p in enumerate(bin_)])
+        ready.append([_piece(f"{where}[{k}]", p, consumed, seq_len) for k, p in enumerate(bin_)])
     ordered = check_int("state['ordered']", state.get("ordered", 0), minimum=0)
     if ordered > len(ready):
         raise ValueError(
@@ -116,24 +117,24 @@ def _typed(key: str, value: Any, kind: Any, what: str) -> Any:
     return value
 
 
-def _piece(where: str, value: Any, consumed: int, capacity: int) -> tuple[int, int, int, Any]:
-    """A piece ``(position, start, stop, doc)`` of a document the state has read."""
+def _piece(where: str, value: Any, consumed: int, seq_len: int) -> tuple[int, int, int, Any]:
+    """A piece ``(doc_index, start, stop, doc)`` of a document the state has read."""
     if not isinstance(value, list | tuple) or len(value) != 4:
         raise TypeError(
-            f"{where} must be a piece (position, start, stop, doc), got {_short(value)}"
+            f"{where} must be a piece (doc_index, start, stop, doc), got {_short(value)}"
         )
-    position = check_int(where + "[0]", value[0], minimum=0)
+    doc_index = check_int(where + "[0]", value[0], minimum=0)
     start = check_int(where + "[1]", value[1], minimum=0)
     stop = check_int(where + "[2]", value[2], minimum=1)
-    if position >= consumed:
+    if doc_index >= consumed:
         raise ValueError(
-            f"{where} is of document {position}, but the state has read only {consumed} documents"
+            f"{where} is of document {doc_index}, but the state has read only {consumed} documents"
         )
-    if not start < stop <= start + capacity:
+    if not start < stop <= start + seq_len:
         raise ValueError(
-            f"{where} holds tokens {start}:{stop}; a piece holds 1 to capacity={capacity} tokens"
+            f"{where} holds tokens {start}:{stop}; a piece holds 1 to seq_len={seq_len} tokens"
         )
-    return position, start, stop, value[3]
+    return doc_index, start, stop, value[3]
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -2,21 +2,22 @@
 
 Contract. The upstream iterable yields documents; each is either a sized object (a list, numpy array
 or tensor of token ids: ``len(doc)`` is its number of tokens) or a bare integer length. The packer
-yields bins, each a list of `Piece` ``(position, start, stop, doc)``: tokens ``start:stop`` of
-``doc``, the ``position``-th document of the stream (0-based). A document longer than the capacity
-is split, truncated, dropped or refused (``long_docs``), exactly as in ``plan()``.
+yields bins, each a list of `Piece` ``(doc_index, start, stop, doc)``: tokens ``start:stop`` of
+``doc``, the ``doc_index``-th document of the stream (0-based). A document longer than ``seq_len``
+is split, truncated, dropped or refused (``long_docs``), and pieces are padded to the options'
+``multiple`` in their rows, exactly as in ``plan()``: every setting comes from one `PackOptions`.
 
 Each round:
 
 1. Read documents until the buffer holds ``buffer_size`` pieces or more (the pieces of one split
    document arrive together) or the stream ends.
-2. Plan the buffer with ``algorithm`` (plan.py).
+2. Plan the buffer (`megapack.packing.plan`, its own seed a round, ``search_steps`` for "best").
 3. Emit the bins that are at least ``EMIT_FILL`` (99%) full, and any bin holding a piece that has
    waited ``MAX_WAIT_ROUNDS`` rounds. Of the others, keep the emptiest in the buffer, at most
    ``buffer_size // 2`` pieces, for the next round, where new documents may complete them; emit the
    rest. When the stream ends, everything left is planned and emitted.
 
-Worked example, capacity 5, buffer_size 4, lengths ``[4, 3, 2, 5, 1, 1]``: round 1 reads 4, 3, 2, 5
+Worked example, seq_len 5, buffer_size 4, lengths ``[4, 3, 2, 5, 1, 1]``: round 1 reads 4, 3, 2, 5
 and plans ``[5] [4] [3, 2]``; bins ``[5]`` and ``[3, 2]`` are full and go out, ``[4]`` stays. Round 2
 reads 1, 1 and the stream ends: ``[4, 1] [1]``.
 
@@ -25,37 +26,40 @@ references to their documents, about ``buffer_size`` of them) and the bins plann
 yielded. A new packer with the same settings, after ``load_state_dict(state)``, given the upstream
 positioned after ``state["consumed"]`` documents (e.g. ``itertools.islice(source, consumed, None)``
 or a data loader's own resume), yields exactly the bins the original would have yielded next.
-Every step is deterministic for a given seed ("best" runs on a step budget, without a time limit).
+Every step is deterministic for a given seed ("best" runs on a step budget).
 
-Balance. With ``balance="compute"`` (and ``dp_size``, ``micro_batches``, ``rows_per_micro_batch``,
-``cost``) the bins go out in windows of ``balance_window`` global batches (a global batch is
-``dp_size * micro_batches * rows_per_micro_batch`` bins), each window re-formed and re-dealt
+Balance. Given `LoadOptions` with ``balance="compute"`` (its ``dp_size``, ``micro_batches``,
+``rows_per_micro_batch`` and ``cost``) the bins go out in windows of ``balance_window`` global
+batches (a global batch is ``LoadOptions.rows_per_step`` bins), each window re-formed and re-dealt
 (`balance.compute_order`) so that a consumer that deals bin ``i`` to micro-batch
 ``i // rows_per_micro_batch`` and that micro-batch to DP rank ``(i // rows_per_micro_batch) %
 dp_size`` gives every rank about the same step cost. A window waits until it is complete (the last
 one goes out as it is, balanced over the slots it fills). On the OpenChat V1 lengths in file
 order at dp 8, M 4, cost ``sum(len^2)``: imbalance 1.012 in planning order (BFD's neighbouring
 bins are alike), 1.004 with the default window of 8 global batches (256 bins held back), 1.002
-with 32.
+with 32. ``balance="token"`` (or no `LoadOptions`) keeps the planning order.
 
-Measured here on the OpenChat V1 lengths in file order, capacity 2,048, buffer_size 1,000: "bfd"
+Measured here on the OpenChat V1 lengths in file order, seq_len 2,048, buffer_size 1,000: "bfd"
 4,674 bins, 99.47% efficient (global BFD: 99.49%; BFD on independent chunks of 1,000: 99.21%);
-0.1 s in all; "best" (1,000 search steps a round) 4,670 bins, 99.55%, 1 s.
+0.1 s in all; "best" 4,670 bins, 99.55%: 1.4 s with ``search_steps=1,000`` (a round), 31 s with
+the default 20,000 for the same bins. The budget is a plan's, and a stream plans each buffer: give
+"best" a smaller one here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from megapack.packing.balance import BALANCE_MODES, check_balance, compute_order
-from megapack.packing.cost import CostModel
-from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
-from megapack.packing.pieces import make_items
-from megapack.packing.plan import plan
+from megapack.core.checks import check_int
+from megapack.packing.balance import compute_order
+from megapack.packing.options import LoadOptions, PackOptions, pack_options, with_shortcuts
+from megapack.packing.pieces import Piece, make_pieces
+from megapack.packing.planner import plan
 from megapack.packing.stream_state import STATE_VERSION, check_stream_state
 
 EMIT_FILL = 0.99
@@ -64,96 +68,40 @@ MAX_WAIT_ROUNDS = 8
 """A piece kept this many rounds goes out with its bin, however full, so no document waits forever."""
 
 
-class Piece(NamedTuple):
-    """Tokens ``start:stop`` of ``doc``, the ``position``-th document of the stream."""
-
-    position: int
-    """Position of the document in the upstream stream, from 0."""
-    start: int
-    """First token of the piece within the document."""
-    stop: int
-    """One past the last token."""
-    doc: Any
-    """The document as the upstream gave it (token ids or a bare length)."""
-
-
 class StreamingPacker:
-    """Pack a stream of documents into bins of ``capacity`` tokens with a bounded buffer.
+    """Pack a stream of documents into bins of ``seq_len`` tokens with a bounded buffer.
 
     Args:
-        capacity: tokens per bin, positive.
+        packing: the `PackOptions` (seq_len, algorithm, long_docs, padding, max_documents, seed,
+            search_steps: each round's budget), or the ``seq_len`` alone (the rest defaults).
+        loading: the consumer's `LoadOptions`, read for ``balance="compute"`` (module
+            docstring); None or ``balance="token"``: bins in planning order.
         buffer_size: pieces planned together per round (memory bound), at least 1.
-        algorithm: one of ``ALGORITHMS`` ("bfd" by default).
-        long_docs: "split", "truncate", "drop" or "error", as in ``plan()``.
-        seed: seed for "best"; each round derives its own from it.
-        search_steps: step budget of each round's search when ``algorithm="best"``.
-        balance: "token" (bins in planning order) or "compute" (module docstring).
-        dp_size, micro_batches, rows_per_micro_batch: the consumer's layout, for "compute".
-        cost: the `CostModel` of a bin, required by ``balance="compute"``.
         balance_window: global batches balanced together (more: better balance, more bins held).
-        max_documents: at most this many pieces a bin (static shapes), as ``plan()``'s.
 
     Example:
         >>> packer = StreamingPacker(5, buffer_size=4)
-        >>> [[(p.position, p.start, p.stop) for p in b] for b in packer.pack([4, 3, 2, 5, 1, 1])]
+        >>> [[(p.doc_index, p.start, p.stop) for p in b] for b in packer.pack([4, 3, 2, 5, 1, 1])]
         [[(3, 0, 5)], [(1, 0, 3), (2, 0, 2)], [(0, 0, 4), (4, 0, 1)], [(5, 0, 1)]]
     """
 
     def __init__(
         self,
-        capacity: int,
+        packing: PackOptions | int,
         *,
+        loading: LoadOptions | None = None,
         buffer_size: int = 1000,
-        algorithm: str = "bfd",
-        long_docs: str = "split",
-        seed: int = 0,
-        search_steps: int = 1000,
-        balance: str = "token",
-        dp_size: int = 1,
-        micro_batches: int = 1,
-        rows_per_micro_batch: int = 1,
-        cost: CostModel | None = None,
         balance_window: int = 8,
-        max_documents: int | None = None,
     ) -> None:
-        limits = {"capacity": 1, "buffer_size": 1, "seed": 0, "search_steps": 0}
-        limits["balance_window"] = 1
-        given = {
-            "capacity": capacity,
-            "buffer_size": buffer_size,
-            "seed": seed,
-            "search_steps": search_steps,
-            "balance_window": balance_window,
-        }
-        for name, low in limits.items():
-            value = given[name]
-            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-        if long_docs not in LONG_DOC_POLICIES:
-            raise ValueError(f"long_docs must be one of {LONG_DOC_POLICIES}, got {long_docs!r}")
-        layout = {"dp_size": dp_size, "micro_batches": micro_batches}
-        layout["rows_per_micro_batch"] = rows_per_micro_batch
-        if balance not in BALANCE_MODES:
-            raise ValueError(f"balance must be one of {BALANCE_MODES}, got {balance!r}")
-        check_balance(balance, **layout, cost=cost)
-        self.balance, self.cost, self.layout = balance, cost, layout
-        self.balance_window = int(balance_window)
+        self.packing = pack_options(packing, {}, where="StreamingPacker")
+        self.loading = (
+            None
+            if loading is None
+            else with_shortcuts(LoadOptions, loading, {}, where="StreamingPacker(loading=...)")
+        )
+        self.buffer_size = check_int("buffer_size", buffer_size, minimum=1)
+        self.balance_window = check_int("balance_window", balance_window, minimum=1)
         self._ordered = 0  # bins at the front of _ready already in balanced order
-        self.capacity = int(capacity)
-        self.buffer_size = int(buffer_size)
-        self.algorithm = algorithm
-        self.long_docs = long_docs
-        self.seed = int(seed)
-        self.search_steps = int(search_steps)
-        if max_documents is not None and (
-            isinstance(max_documents, bool)
-            or not isinstance(max_documents, int)
-            or max_documents < 1
-        ):
-            raise ValueError(f"max_documents must be an int >= 1 or None, got {max_documents!r}")
-        self.max_documents = max_documents
         self.consumed = 0
         """Upstream documents read so far (where a resumed upstream must start)."""
         self.rounds = 0
@@ -179,17 +127,18 @@ class StreamingPacker:
             documents: the upstream stream (see the module docstring for what an item may be).
 
         Yields:
-            One bin at a time: a list of `Piece`, at most ``capacity`` tokens in all.
+            One bin at a time: a list of `Piece`, at most ``seq_len`` tokens in all (padding
+            included).
 
         Raises:
-            ValueError: an empty document, or with ``long_docs="error"`` one longer than the
-                capacity (naming its stream index).
+            ValueError: an empty document, or with ``long_docs="error"`` one longer than
+                ``seq_len`` (naming its stream index).
         """
         upstream = iter(documents)
         exhausted = False
         while True:
             while self._ready:
-                if self.balance == "compute" and self._ordered == 0:
+                if self._balanced() and self._ordered == 0:
                     if not exhausted and len(self._ready) < self._group_size():
                         break  # wait for a whole window of global batches
                     self._order_group()
@@ -211,16 +160,21 @@ class StreamingPacker:
                 continue  # yield what waits in _ready, then stop
             self._plan_round(final=exhausted)
 
+    def _balanced(self) -> bool:
+        return self.loading is not None and self.loading.balance == "compute"
+
     def _group_size(self) -> int:
-        return int(np.prod(list(self.layout.values()))) * self.balance_window
+        assert self.loading is not None  # only with balance="compute"
+        return self.loading.rows_per_step * self.balance_window
 
     def _order_group(self) -> None:
         """Put the next window of ready bins (or what is left) in balanced order."""
         group = [self._ready.popleft() for _ in range(min(self._group_size(), len(self._ready)))]
-        assert self.cost is not None  # check_balance requires it for "compute"
-        costs = np.array([self.cost.row_cost([p.stop - p.start for p in b]) for b in group])
-        seed = (self.seed, self.stats["bins"])
-        order = compute_order(np.arange(len(group)), costs, **self.layout, seed=seed)
+        assert self.loading is not None and self.loading.cost is not None  # LoadOptions checks
+        cost = self.loading.cost
+        costs = np.array([cost.row_cost([p.stop - p.start for p in b]) for b in group])
+        seed = (self.packing.seed, self.stats["bins"])
+        order = compute_order(np.arange(len(group)), costs, self.loading, seed=seed)
         self._ready.extendleft(group[i] for i in order[::-1])
         self._ordered = len(group)
 
@@ -235,41 +189,33 @@ class StreamingPacker:
                 f"document {index} of the stream has {length} tokens; filter empty documents first"
             )
         self.consumed += 1
-        if length <= self.capacity:
+        if length <= self.packing.seq_len:
             self._buffer.append((Piece(index, 0, length, doc), self.rounds))
             return
-        # The long-document policy lives in make_items (plan() uses it too).
-        items = make_items(
+        # The long-document policy lives in make_pieces (plan() uses it too).
+        pieces = make_pieces(
             np.array([length], dtype=np.int64),
-            self.capacity,
-            self.long_docs,
+            self.packing.seq_len,
+            self.packing.long_docs,
             first=index,
             where=" of the stream",
         )
-        self.stats["split_docs"] += items.num_split_docs
-        self.stats["truncated_tokens"] += items.truncated_tokens
-        self.stats["dropped_docs"] += items.num_dropped_docs
-        self.stats["dropped_tokens"] += items.dropped_tokens
-        for start, stop in zip(items.start.tolist(), items.stop.tolist(), strict=True):
+        self.stats["split_docs"] += pieces.num_split_docs
+        self.stats["truncated_tokens"] += pieces.truncated_tokens
+        self.stats["dropped_docs"] += pieces.num_dropped_docs
+        self.stats["dropped_tokens"] += pieces.dropped_tokens
+        for start, stop in zip(pieces.start.tolist(), pieces.stop.tolist(), strict=True):
             self._buffer.append((Piece(index, start, stop, doc), self.rounds))
 
     def _plan_round(self, *, final: bool) -> None:
         pieces = [p for p, _ in self._buffer]
         arrived = [r for _, r in self._buffer]
         sizes = np.array([p.stop - p.start for p in pieces], dtype=np.int64)
-        seed = int(np.random.SeedSequence([self.seed, self.rounds]).generate_state(1)[0])
-        result = plan(
-            sizes,
-            self.capacity,
-            algorithm=self.algorithm,
-            long_docs="error",
-            seed=seed,
-            time_limit_s=None,
-            max_search_steps=self.search_steps,
-            max_documents=self.max_documents,
-        )
+        seed = int(np.random.SeedSequence([self.packing.seed, self.rounds]).generate_state(1)[0])
+        round_options = dataclasses.replace(self.packing, long_docs="error", seed=seed)
+        result = plan(sizes, round_options)
         bins = [[int(i) for i in result.bin(b)[:, 0]] for b in range(result.num_bins)]
-        loads = result.bin_loads.tolist()
+        loads = result.bin_slots.tolist()
         self.rounds += 1
         if final:
             keep: set[int] = set()
@@ -278,7 +224,7 @@ class StreamingPacker:
             candidates = [
                 b
                 for b, members in enumerate(bins)
-                if loads[b] < EMIT_FILL * self.capacity
+                if loads[b] < EMIT_FILL * self.packing.seq_len
                 and min(arrived[i] for i in members) > too_old
             ]
             candidates.sort(key=lambda b: (loads[b], b))  # emptiest first
@@ -314,7 +260,7 @@ class StreamingPacker:
             TypeError: not a dict, or a key of the wrong type, naming the key and the value.
             ValueError: a different state version or setting (naming it and both values), a
                 missing key, or a value out of range (a negative count, a piece of a document
-                not yet read or longer than the capacity), naming the key and the value.
+                not yet read or longer than ``seq_len``), naming the key and the value.
         """
         checked = check_stream_state(state, self._config())
         self.consumed, self.rounds = checked["consumed"], checked["rounds"]
@@ -324,16 +270,15 @@ class StreamingPacker:
         self.stats = checked["stats"]
 
     def _config(self) -> dict[str, Any]:
+        """The settings a state must share: the packing, the dealing, the buffer and window."""
+        deal = self.loading or LoadOptions()
         return {
-            "capacity": self.capacity,
+            **self.packing.to_dict(),
             "buffer_size": self.buffer_size,
-            "algorithm": self.algorithm,
-            "long_docs": self.long_docs,
-            "seed": self.seed,
-            "search_steps": self.search_steps,
-            "balance": self.balance,
-            **self.layout,
             "balance_window": self.balance_window,
-            "max_documents": self.max_documents,
-            "cost": None if self.cost is None else [self.cost.a, self.cost.b],
+            "balance": deal.balance,
+            "dp_size": deal.dp_size,
+            "micro_batches": deal.micro_batches,
+            "rows_per_micro_batch": deal.rows_per_micro_batch,
+            "cost": None if deal.cost is None else [deal.cost.a, deal.cost.b],
         }

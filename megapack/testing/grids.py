@@ -1,4 +1,4 @@
-"""The tp x pp (x cp) grids megapack is tested on; `grid_topology` (from `megapack.harness.grid`) builds them.
+"""The tp x pp (x cp) grids megapack is tested on; `megapack.harness.grid.grid_topology` builds them.
 
 Rank order follows Megatron's default (tensor-parallel fastest, then context-parallel, then
 pipeline): rank = (pp_rank * cp + cp_rank) * tp + tp_rank (see `megapack.harness.grid`).
@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapack.harness.grid import grid_topology
-
-__all__ = ["CP_GRIDS", "GRIDS", "Grid", "grid_topology"]
+__all__ = ["CP_GRIDS", "GRIDS", "Grid"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +33,7 @@ GRIDS: tuple[Grid, ...] = tuple(
     Grid(tp, pp) for tp in (1, 2, 4) for pp in (1, 2, 3, 4) if tp * pp <= 8
 )
 
-# Context-parallel grids (issue 10): cp 2 with every small tp x pp, and cp 4.
+# Context-parallel grids: cp 2 with every tp x pp of at most 2 x 2, pp 3, and cp 4.
 CP_GRIDS: tuple[Grid, ...] = (
     Grid(1, 1, 2),
     Grid(2, 1, 2),

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from megapack.data import Document, PackedDataset
-from megapack.packing import CostModel
+from megapack.packing import CostModel, LoadOptions
 from megapack.packing.balance import imbalance, rank_costs
 
 pytestmark = pytest.mark.distributed
@@ -52,7 +52,7 @@ def test_balance_ranks_agree_and_are_balanced(dist_pool: Any, world: int) -> Non
                         cost=COST, seed=5)  # fmt: skip
     ref.set_epoch(2)
     row_costs = COST.bin_costs(ref._arrays["slices"], ref._arrays["bin_offsets"])
-    layout = {"dp_size": world, "micro_batches": MICRO}
+    deal = LoadOptions(dp_size=world, micro_batches=MICRO)
     want_tokens = Counter(t for d in corpus() for t in d.tokens.tolist())
     measured = {}
     for mode, ranks in results.items():
@@ -63,7 +63,7 @@ def test_balance_ranks_agree_and_are_balanced(dist_pool: Any, world: int) -> Non
             [np.add.reduceat(r["costs"], np.arange(0, len(r["costs"]), MICRO)) for r in ranks], 1
         )
         order = np.array(ranks[0]["order"])
-        np.testing.assert_allclose(steps, rank_costs(order, row_costs, **layout))
-        measured[mode] = imbalance(order, row_costs, **layout)
+        np.testing.assert_allclose(steps, rank_costs(order, row_costs, deal))
+        measured[mode] = imbalance(order, row_costs, deal)
     assert results["compute"][0]["order"] == ref.order().tolist()
     assert measured["compute"] < measured["token"]

@@ -60,7 +60,7 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
         # three float32 per-token fields: 3 x 4 bytes a token more
         assert r["fields_payload_bytes"] == r["payload_bytes"] + 3 * 4 * r["seq_len"], r
     assert "megapack / bare" in done.stdout and "Bytes per micro-batch" in done.stdout
-    from megapack.bench.layouts import MODES
+    from megapack.bench.modes import MODES
 
     modes = {(r["dataset"], r["mode"]) for r in data["throughput"]}
     assert modes == {(d, m) for d in ("openchat", "sft-short") for m in MODES}

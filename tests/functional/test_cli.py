@@ -99,8 +99,8 @@ def test_stats_prints_every_algorithm_and_plots(tmp_path: Path) -> None:
         "128",
         "--plot",
         str(png),
-        "--time-limit",
-        "0.5",
+        "--search-steps",
+        "1000",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
     for algorithm in ("next_fit", "first_fit", "ffd", "bfd", "best", "lower bound"):

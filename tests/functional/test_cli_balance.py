@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megapack.cli import main
-from megapack.packing import CostModel
+from megapack.packing import CostModel, LoadOptions
 from megapack.packing.compare import compare_plans
 
 
@@ -21,7 +21,7 @@ def corpus(path: Path) -> Path:
 
 def test_balance_stats_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src, out = corpus(tmp_path / "docs.jsonl"), tmp_path / "stats.json"
-    argv = ["stats", str(src), "--seq-len", "128", "--time-limit", "0.2", "--dp", "4"]
+    argv = ["stats", str(src), "--seq-len", "128", "--search-steps", "500", "--dp", "4"]
     argv += ["--micro-batches", "2", "--cost-a", "1", "--cost-b", "0.5", "--json", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -33,7 +33,8 @@ def test_balance_stats_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixt
     from megapack.data import ByteTokenizer, read_documents
 
     lengths = [len(d) for d in read_documents(src, ByteTokenizer())]
-    want = compare_plans(lengths, 128, dp_size=4, micro_batches=2, cost=CostModel(a=1, b=0.5))
+    deal = LoadOptions(dp_size=4, micro_batches=2, cost=CostModel(a=1, b=0.5))
+    want = compare_plans(lengths, 128, deal)
     for key in ("imbalance_token_plan", "imbalance_compute_plan", "efficiency_token_plan"):
         assert got[key] == pytest.approx(want[key])
     assert got["imbalance_compute_plan"] < got["imbalance_token_plan"]
@@ -43,7 +44,7 @@ def test_balance_stats_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_balance_stats_model_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src, out = corpus(tmp_path / "docs.jsonl"), tmp_path / "stats.json"
     shape = ["--hidden", "64", "--ffn", "256", "--layers", "2", "--heads", "4", "--vocab", "1000"]
-    argv = ["stats", str(src), "--seq-len", "128", "--time-limit", "0.2", "--dp", "2", *shape]
+    argv = ["stats", str(src), "--seq-len", "128", "--search-steps", "500", "--dp", "2", *shape]
     assert main([*argv, "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert (got["cost_a"], got["cost_b"]) == (973_824.0, 768.0)
@@ -63,5 +64,5 @@ def test_balance_stats_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], words: str
 ) -> None:
     src = corpus(tmp_path / "docs.jsonl")
-    assert main(["stats", str(src), "--seq-len", "128", "--time-limit", "0", *extra]) == 2
+    assert main(["stats", str(src), "--seq-len", "128", "--search-steps", "0", *extra]) == 2
     assert words in capsys.readouterr().err

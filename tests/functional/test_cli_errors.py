@@ -130,7 +130,7 @@ def test_singular_counts(tmp_path: Path, capsys: Capture) -> None:
     assert main(["pack", src, "--seq-len", "64", "--out", str(tmp_path / "p")]) == 0
     text = capsys.readouterr().out
     assert "read 1 document from" in text and "packed into 1 row of 64 tokens" in text
-    assert main(["stats", src, "--seq-len", "64", "--time-limit", "0.1"]) == 0
+    assert main(["stats", src, "--seq-len", "64", "--search-steps", "300"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("1 document, 6 tokens;") and "0 documents longer" in text
     assert re.search(r"\b1 (rows|documents|tokens)\b", text) is None, text
@@ -140,11 +140,38 @@ def test_stats_lower_bound_counts_every_token_of_long_documents(
     tmp_path: Path, capsys: Capture
 ) -> None:
     src = jsonl(tmp_path / "long.jsonl", ["x" * 300, "y" * 250, "z" * 10])
-    assert main(["stats", src, "--seq-len", "64", "--time-limit", "0.1"]) == 0
+    assert main(["stats", src, "--seq-len", "64", "--search-steps", "300"]) == 0
     text = capsys.readouterr().out
     bfd = float(re.search(r"\| bfd \| [\d,]+ \| ([\d.]+)%", text).group(1))  # type: ignore[union-attr]
     bound = float(re.search(r"\| lower bound \| [\d,]+ \| <= ([\d.]+)%", text).group(1))  # type: ignore[union-attr]
     assert bfd <= bound  # a bound below what bfd achieves would be no bound (once "<= 38.84%")
+
+
+def test_an_input_with_no_documents_is_named_exits_2_and_leaves_nothing(
+    tmp_path: Path, capsys: Capture
+) -> None:
+    """Empty, blank-only, or (with --skip-bad) every line bad: ``stats`` and ``pack`` each say so
+    in one line naming the file, exit 2 (docs/data.md), and write no --json, --plot or --out."""
+    empty, blank, bad = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl", tmp_path / "bad.jsonl"
+    empty.write_text("")
+    blank.write_text("\n  \n")
+    bad.write_text('{"nope": 1}\n{"nope": 2}\n')
+    outputs = [tmp_path / "s.json", tmp_path / "s.png", tmp_path / "out"]
+    for src, why in ((empty, ""), (blank, ""), (bad, r" \(2 bad lines skipped \{.*\}\)")):
+        stats = ["stats", str(src), "--seq-len", "64", "--skip-bad"]
+        assert main([*stats, "--json", str(outputs[0]), "--plot", str(outputs[1])]) == 2
+        line = one_line_error(capsys.readouterr().err, "stats")
+        assert re.fullmatch(rf"megapack stats: error: {src}: no documents in it{why}", line), line
+        assert (
+            main(["pack", str(src), "--seq-len", "64", "--skip-bad", "--out", str(outputs[2])]) == 2
+        )
+        captured = capsys.readouterr()
+        line = one_line_error(captured.err, "pack")
+        assert re.fullmatch(
+            rf"megapack pack: error: {src}: no documents in it{why}: nothing to pack", line
+        ), line
+        assert "done" not in captured.err and captured.out == ""
+        assert not any(p.exists() for p in outputs) and not (tmp_path / "out.partial").exists()
 
 
 # -- one-line errors naming the flag to use --------------------------------------------------------
@@ -296,8 +323,10 @@ def test_cli_flags_are_checked_before_any_work(tmp_path: Path, capsys: Capture) 
         (["pack", src, "--seq-len", "-4", "--out", "o"], "--seq-len must be an integer >= 1, got -4"),
         (["pack", src, "--seq-len", "100", "--pad-multiple", "8", "--out", "o"],
          "--seq-len 100 must be a multiple of 8 (--pad-multiple 8)"),
-        (["stats", src, "--seq-len", "64", "--time-limit", "-1"], "--time-limit must be a number of seconds >= 0"),
+        (["stats", src, "--seq-len", "64", "--search-steps", "-1"], "--search-steps must be an integer >= 0, got -1"),
         (["stats", src, "--seq-len", "64", "--dp", "0"], "--dp must be an integer >= 1, got 0"),
+        (["stats", src, "--seq-len", "64", "--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+        (["pack", src, "--seq-len", "64", "--max-documents", "0", "--out", "o"], "--max-documents must be an integer >= 1, got 0"),
     ):  # fmt: skip
         assert main(argv) == 2, argv
         captured = capsys.readouterr()

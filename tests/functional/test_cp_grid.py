@@ -18,7 +18,8 @@ import torch.distributed as dist
 from megapack import PackedBatch, Topology, get_batch_on_this_tp_rank
 from megapack.core.cp_share import CP_LAYOUTS, cp_indices
 from megapack.delivery.transport import use_transport
-from megapack.testing.grids import CP_GRIDS, Grid, grid_topology
+from megapack.harness.grid import grid_topology
+from megapack.testing.grids import CP_GRIDS, Grid
 from tests.functional.test_tp_pp_grid import COLLECTIVES, TENSOR_KEYS, expected
 
 pytestmark = pytest.mark.distributed

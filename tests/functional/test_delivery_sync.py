@@ -23,13 +23,13 @@ import torch.distributed as dist
 from megapack import PackedBatch, get_batch_on_this_tp_rank, prefetch
 from megapack.delivery import wire
 from megapack.delivery.transport import use_transport
-from megapack.testing.grids import grid_topology
+from megapack.harness.grid import grid_topology
 from megapack.testing.host_reads import host_reads
 
 pytestmark = pytest.mark.distributed
 
 SOURCE_INPUT = {"megapack.core", "megapack.delivery.wire"}
-"""The source's host input: checked (core.items, core.batch, core.cp) and laid out (wire)."""
+"""The source's host input: checked (core.intake, core.batch, core.cp_share) and laid out (wire)."""
 AGREEMENT = {"megapack.delivery.prefetch"}
 """The prefetch thread's per-batch agreement reads its gloo flags (CPU on every backend)."""
 

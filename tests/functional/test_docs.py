@@ -274,7 +274,8 @@ def compute_balance(ns: dict[str, Any], run: Callable[[], None]) -> None:
 
 
 def contributing_pool_test(ns: dict[str, Any], run: Callable[[], None]) -> None:
-    from megapack.testing.grids import GRIDS, grid_topology
+    from megapack.harness.grid import grid_topology
+    from megapack.testing.grids import GRIDS
 
     class OneRankPool:  # the dist_pool fixture's `run`, on this process's one-rank world
         def run(

@@ -25,8 +25,8 @@ import torch.distributed as dist
 import megapack
 from megapack.delivery.transport import use_transport
 from megapack.distributed.groups import set_control_group
+from megapack.harness.grid import grid_topology
 from megapack.harness.pool import WorkerPool
-from megapack.testing.grids import grid_topology
 
 pytestmark = pytest.mark.distributed
 

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from megapack import BatchField, get_batch_on_this_tp_rank, prefetch
 from megapack.core.cp_share import cp_indices
 from megapack.delivery.transport import use_transport
-from megapack.testing.grids import Grid, grid_topology
+from megapack.harness.grid import grid_topology
+from megapack.testing.grids import Grid
 
 pytestmark = pytest.mark.distributed
 

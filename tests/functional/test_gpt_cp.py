@@ -31,7 +31,14 @@ import torch
 
 from megapack.core.batch import PackedBatch
 from megapack.core.cp_share import cp_indices
-from megapack.harness.gpt import TinyGPT, forward_step, init_weights, padded_micro_batch
+from megapack.harness.gpt import (
+    TinyGPT,
+    forward_step,
+    init_weights,
+    micro_batch_losses,
+    padded_micro_batch,
+)
+from tests.functional.test_gpt_packed import traced_mean_loss
 
 pytestmark = pytest.mark.distributed
 
@@ -91,7 +98,7 @@ def run(tp: int, pp: int, cp: int, *, layout: str, mode: str, steps: int, change
     for _ in range(steps):
         optimizer.zero_grad()
         reduced = schedule(
-            forward_step_func=functools.partial(forward_step, topology),
+            forward_step_func=functools.partial(forward_step, topology, loss=traced_mean_loss),
             data_iterator=iter(micro) if topology.is_source else None, model=[model], num_microbatches=len(micro),
             seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=steps == 1,
         )  # fmt: skip
@@ -101,7 +108,7 @@ def run(tp: int, pp: int, cp: int, *, layout: str, mode: str, steps: int, change
                     dist.all_reduce(p.grad, group=topology.cp_group)
                     p.grad /= cp
             optimizer.step()
-        losses.append([r["lm loss"].item() for r in reduced])
+        losses.append(micro_batch_losses(reduced, topology.cp_group if cp > 1 else None))
         per_token = [r["per_token"] for r in reduced]
     return {"last": topology.is_last_stage, "tp_rank": topology.tp_rank, "cp_rank": topology.cp_rank,
             "cp": cp, "losses": losses, "per_token": per_token}  # fmt: skip

@@ -22,9 +22,11 @@ from megapack.harness.gpt import (
     TinyGPT,
     forward_step,
     init_weights,
+    micro_batch_losses,
     packed_micro_batch,
     padded_micro_batch,
 )
+from megapack.megatron.loss import normalized_loss
 from megapack.testing.grids import Grid
 
 pytestmark = pytest.mark.distributed
@@ -51,6 +53,19 @@ def documents(seed: int = 0, change: bool = False) -> list[list[list[list[int]]]
         doc = micro[m][r][d]
         micro[m][r][d] = [(t * 7 + 3) % 127 + 1 for t in doc]
     return micro
+
+
+def traced_mean_loss(batch: dict[str, Any], cp_group: Any) -> Any:
+    """The harness's default loss (each micro-batch's mean), its report also holding the masked
+    per-token losses."""
+
+    def loss(per_token: torch.Tensor) -> Any:
+        out = normalized_loss(batch, per_token, mode="micro_batch_mean",
+                              calculate_per_token_loss=False, cp_group=cp_group)  # fmt: skip
+        out[-1]["per_token"] = (per_token.detach() * batch["loss_mask"]).clone()
+        return out
+
+    return loss
 
 
 def run(
@@ -83,7 +98,7 @@ def run(
     for _ in range(steps):
         optimizer.zero_grad()
         reduced = schedule(
-            forward_step_func=functools.partial(forward_step, topology),
+            forward_step_func=functools.partial(forward_step, topology, loss=traced_mean_loss),
             data_iterator=iter(micro) if topology.is_source else None,
             model=[model],
             num_microbatches=len(micro),
@@ -93,7 +108,7 @@ def run(
         )
         if steps > 1:
             optimizer.step()
-        losses.append([r["lm loss"].item() for r in reduced])
+        losses.append(micro_batch_losses(reduced))
         per_token = [r["per_token"] for r in reduced]
     return {
         "last": topology.is_last_stage,

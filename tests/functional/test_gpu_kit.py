@@ -85,7 +85,7 @@ def test_dry_run_report(tmp_path: Path) -> None:
         if c["name"].startswith(("target: packed", "target (stretch)"))
     ]
     assert len(throughput_targets) == 4 * 3 + 1  # 3 targets x 4 configurations, the stretch MFU
-    from megapack.bench.layouts import BASELINES, LABELS
+    from megapack.bench.modes import BASELINES, LABELS
 
     rows = report["throughput"]
     assert [(r["config"], r["baseline"]) for r in rows] == [
@@ -244,7 +244,7 @@ def small_preset(device: torch.device, dtype: torch.dtype) -> Any:
 
 
 def packed_batches(vocab: int, seq_len: int = 2048, count: int = 10) -> list[Any]:
-    from megapack.bench.layouts import micro_batches
+    from megapack.bench.modes import micro_batches
 
     rng = np.random.default_rng(0)
     docs = [rng.integers(1, vocab, n) for n in rng.integers(1, 1500, 3 * count)]

@@ -28,7 +28,7 @@ from megapack.delivery import link as link_module
 from megapack.delivery import link_setup
 from megapack.delivery.link_setup import link_for
 from megapack.delivery.transport import use_transport
-from megapack.testing.grids import grid_topology
+from megapack.harness.grid import grid_topology
 
 pytestmark = pytest.mark.distributed
 

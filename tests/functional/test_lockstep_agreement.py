@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import megapack
 from megapack.data import Document, PackedDataset
-from megapack.testing.grids import grid_topology
+from megapack.harness.grid import grid_topology
 
 pytestmark = pytest.mark.distributed
 

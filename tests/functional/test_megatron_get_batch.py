@@ -23,7 +23,8 @@ import torch.distributed as dist
 from megapack import get_batch_on_this_tp_rank
 from megapack.core.cp_share import cp_indices
 from megapack.distributed.topology import Stage
-from megapack.testing.grids import Grid, grid_topology
+from megapack.harness.grid import grid_topology
+from megapack.testing.grids import Grid
 from tests.functional.test_cp_grid import _record_collectives
 
 pytestmark = pytest.mark.distributed

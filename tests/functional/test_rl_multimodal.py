@@ -20,8 +20,14 @@ import pytest
 import torch
 
 from megapack import BatchField, PackedBatch
-from megapack.harness.gpt import TinyGPT, forward_step, init_weights, padded_micro_batch
-from megapack.megatron.loss import clipped_policy_loss
+from megapack.harness.gpt import (
+    TinyGPT,
+    forward_step,
+    init_weights,
+    micro_batch_losses,
+    padded_micro_batch,
+)
+from megapack.megatron.loss import policy_loss
 
 pytestmark = pytest.mark.distributed
 
@@ -60,8 +66,8 @@ def rl_micro_batch(rows: list[list[dict[str, Any]]], layout: str) -> PackedBatch
 
 
 def _policy_loss(batch: dict[str, Any], cp_group: Any) -> Any:
-    return functools.partial(clipped_policy_loss, batch["loss_mask"], batch["advantages"],
-                             batch["old_logprobs"], cp_group=cp_group)  # fmt: skip
+    return functools.partial(policy_loss, batch, mode="micro_batch_mean",
+                             calculate_per_token_loss=False, cp_group=cp_group)  # fmt: skip
 
 
 def _setup(tp: int, pp: int, cp: int = 1, layout: str = "document") -> tuple[Any, Any]:
@@ -101,7 +107,9 @@ def _train(model: Any, topology: Any, micro: list[Any], step: Any, params: list[
                     dist.all_reduce(p.grad, group=topology.cp_group)
                     p.grad /= topology.cp_size
             optimizer.step()
-        losses.append([r["lm loss"].item() for r in reduced])
+        losses.append(
+            micro_batch_losses(reduced, topology.cp_group if topology.cp_size > 1 else None)
+        )
     return losses
 
 
@@ -144,17 +152,20 @@ def test_rl_policy_loss_on_every_grid_equals_one_rank(
 
 
 def test_rl_policy_loss_clips_and_is_minus_the_advantage_at_ratio_one() -> None:
-    mask = torch.ones(1, 4)
+    def mean(batch: dict[str, Any], per_token: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        loss, _ = policy_loss(batch, per_token, mode="micro_batch_mean",
+                              calculate_per_token_loss=False, **kwargs)  # fmt: skip
+        return loss  # type: ignore[no-any-return]
+
     adv = torch.tensor([[1.0, -1.0, 2.0, 2.0]])
     logp = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
-    loss, _ = clipped_policy_loss(mask, adv, logp, -logp)  # ratio 1
-    assert loss.item() == pytest.approx(-adv.mean().item())
-    high, _ = clipped_policy_loss(
-        mask[:, :1], adv[:, :1], logp[:, :1], -logp[:, :1] - 1.0, clip=0.2
-    )
+    batch = {"loss_mask": torch.ones(1, 4), "advantages": adv, "old_logprobs": logp}
+    assert mean(batch, -logp).item() == pytest.approx(-adv.mean().item())  # ratio 1
+    one = {k: v[:, :1] for k, v in batch.items()}
+    high = mean(one, -logp[:, :1] - 1.0, clip=0.2)
     assert high.item() == pytest.approx(-1.2)  # ratio e > 1.2 with A > 0: clipped at 1.2
     with pytest.raises(ValueError, match="must have the per-token loss's shape"):
-        clipped_policy_loss(mask, adv[:, :2], logp, -logp)
+        mean(batch | {"advantages": adv[:, :2]}, -logp)
 
 
 # ---------------------------------------------------------------- (b) VLM

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import megapack
 from megapack.data import Document, PackedDataset
 from megapack.harness.gpt import TinyGPT, forward_step
-from megapack.megatron.loss import masked_mean_loss
+from megapack.megatron.loss import normalized_loss
 
 pytestmark = pytest.mark.distributed
 
@@ -101,7 +101,8 @@ def prefetched_step(topology: Any, data_iterator: Any, model: Any) -> tuple[torc
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                    labels=batch["labels"], packed_seq_params=batch["packed_seq_params"])  # fmt: skip
-    return output, functools.partial(masked_mean_loss, batch["loss_mask"])
+    return output, functools.partial(normalized_loss, batch, mode="micro_batch_mean",
+                                     calculate_per_token_loss=False)  # fmt: skip
 
 
 def chunk_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:

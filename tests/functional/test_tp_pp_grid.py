@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from megapack import PackedBatch, Topology, get_batch_on_this_tp_rank
 from megapack.delivery.transport import use_transport
-from megapack.testing.grids import GRIDS, Grid, grid_topology
+from megapack.harness.grid import grid_topology
+from megapack.testing.grids import GRIDS, Grid
 
 pytestmark = pytest.mark.distributed
 

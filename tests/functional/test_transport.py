@@ -23,7 +23,8 @@ from megapack.core.fields import schema_of
 from megapack.delivery.transport import use_transport
 from megapack.delivery.wire import header_bytes
 from megapack.distributed.groups import control_group, set_control_group
-from megapack.testing.grids import Grid, grid_topology
+from megapack.harness.grid import grid_topology
+from megapack.testing.grids import Grid
 from tests.functional.test_tp_pp_grid import FailingIterator, _summary, check_rank, stream
 
 pytestmark = pytest.mark.distributed

@@ -11,7 +11,7 @@ import pytest
 from megapack.bench import baselines
 from megapack.bench.baselines import interleave, summarize
 from megapack.bench.gpu.report import THROUGHPUT_KEYS
-from megapack.bench.layouts import LABELS
+from megapack.bench.modes import LABELS
 
 
 def test_docstring_examples() -> None:

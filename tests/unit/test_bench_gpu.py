@@ -1,5 +1,5 @@
 """The GPU kit's arithmetic and report, on CPU: FLOPs, length mixes, ratios with their spread,
-device peaks, target verdicts, the profile, JSON (the layouts: test_bench_layouts.py).
+device peaks, target verdicts, the profile, JSON (the modes: test_bench_modes.py).
 
 The GPU runs themselves are in tests/functional/test_gpu_kit.py (the dry run here, ``gpu``-marked
 tests on a GPU).
@@ -27,7 +27,7 @@ from megapack.bench.gpu.report import (
 )
 from megapack.bench.gpu.targets import target_checks
 from megapack.bench.gpu.throughput import length_mixes, step_estimate
-from megapack.bench.layouts import LABELS
+from megapack.bench.modes import LABELS
 
 
 # -- FLOPs ---------------------------------------------------------------------------------------

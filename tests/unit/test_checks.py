@@ -26,6 +26,13 @@ def test_check_int() -> None:
             check_int("n", bad, minimum=1)
     with pytest.raises(TypeError, match=r"^n must be an int, got float 2.5$"):
         check_int("n", 2.5)
+    assert check_int("n", 19, minimum=0, maximum=19) == 19 and check_int("n", -4, maximum=0) == -4
+    with pytest.raises(ValueError, match=r"^n must be an int from 0 to 19, got 20$"):
+        check_int("n", 20, minimum=0, maximum=19)
+    with pytest.raises(ValueError, match=r"^n must be an int <= 0, got 1$"):
+        check_int("n", 1, maximum=0)
+    with pytest.raises(TypeError, match=r"^n must be an int from 0 to 19, got bool False$"):
+        check_int("n", False, minimum=0, maximum=19)
 
 
 def test_check_seconds() -> None:
@@ -69,6 +76,31 @@ def test_public_functions_agree_on_exception_types() -> None:
     for call in bad_value:
         with pytest.raises(ValueError, match=r"must be an int >= -?\d, got -?\d+$"):
             call()  # type: ignore[no-untyped-call]
+
+
+def test_int_arguments_of_the_batch_contract_delivery_harness_and_bench_agree() -> None:
+    from megapack import prefetch
+    from megapack.bench.modes import plan_step
+    from megapack.core.cp_pad import cp_pad_multiple
+    from megapack.core.cp_share import cp_indices
+    from megapack.harness.grid import grid_topology
+    from megapack.harness.pool import WorkerPool
+
+    calls = {  # argument -> a call with that argument set to the value
+        "cp_size": lambda v: cp_indices([0, 8], v, 0),
+        "cp_rank": lambda v: cp_indices([0, 8], 2, v),
+        "pad_to_multiple_of": lambda v: cp_pad_multiple(2, v),
+        "prefetch depth": lambda v: prefetch(iter([]), depth=v),
+        "prefetch nice": lambda v: prefetch(iter([]), nice=v),
+        "grid_topology: pp": lambda v: grid_topology(1, v),
+        "size": lambda v: WorkerPool(size=v),
+        "rows": lambda v: plan_step([3], 8, v, 1),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=rf"^{name} must be an int.*, got float 2\.0$"):
+            call(2.0)
+        with pytest.raises(ValueError, match=rf"^{name} must be an int.*, got -1$"):
+            call(-1)
 
 
 def test_docstring_examples() -> None:

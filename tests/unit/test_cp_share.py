@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from megapack import BatchField, PackedBatch
 from megapack.core.cp_share import take_share
 from megapack.core.fields import Stage, schema_of
-from megapack.core.normalize import Layout, normalize
+from megapack.core.intake import BatchForm, to_batch
 from megapack.core.seq_params import make_packed_seq_params
 
 SCHEMA = schema_of()
@@ -26,9 +26,9 @@ def two_documents() -> PackedBatch:
 
 
 def share(item: object, rank: int, cp: int = 2, **kw: object) -> dict:
-    batch = normalize(item, SCHEMA)
+    batch = to_batch(item, SCHEMA)
     fields = kw.pop("fields", ONLY)
-    return take_share(batch.values, fields, packed=batch.layout == Layout.PACKED, cp_size=cp,  # type: ignore[arg-type]
+    return take_share(batch.values, fields, packed=batch.form == BatchForm.PACKED, cp_size=cp,  # type: ignore[arg-type]
                       cp_rank=rank, **kw)  # type: ignore[arg-type]  # fmt: skip
 
 
@@ -121,7 +121,7 @@ def test_declared_fields_share_as_declared() -> None:
               BatchField("pixels", "ragged", torch.bfloat16, "first"))  # fmt: skip
     schema = schema_of(fields)
     item = two_documents()
-    values = dict(normalize(item, SCHEMA).values)
+    values = dict(to_batch(item, SCHEMA).values)
     values |= {"adv": torch.arange(16.0)[None], "reward": torch.tensor([1.5]),
                "pixels": torch.ones(5, 3, dtype=torch.bfloat16)}  # fmt: skip
     out = take_share(values, schema.by_stage[Stage.ONLY], packed=True, cp_size=2, cp_rank=1)

@@ -12,7 +12,7 @@ import pytest
 
 from megapack import PackedBatch
 from megapack.data import Document, PackedDataset
-from megapack.packing import CostModel
+from megapack.packing import CostModel, LoadOptions
 from megapack.packing.balance import imbalance
 
 SQUARES = CostModel(a=1.0, b=0.5)
@@ -63,7 +63,8 @@ def test_balance_dataset_shards_complete_and_balanced(dp: int, m: int, rows: int
         steps[mode] = np.stack(per_rank, axis=1)  # [steps, dp]
         order = ranks[0].order()
         row_costs = SQUARES.bin_costs(ranks[0]._arrays["slices"], ranks[0]._arrays["bin_offsets"])
-        want = imbalance(order, row_costs, dp_size=dp, micro_batches=m, rows_per_micro_batch=rows)
+        deal = LoadOptions(dp_size=dp, micro_batches=m, rows_per_micro_batch=rows)
+        want = imbalance(order, row_costs, deal)
         full = steps[mode][: ranks[0].meta["rows"] // (dp * m * rows)]
         assert np.mean(full.max(axis=1) / full.mean(axis=1)) == pytest.approx(want)
     token, compute = (np.mean(s.max(axis=1) / s.mean(axis=1)) for s in steps.values())
@@ -95,7 +96,9 @@ def test_balance_dataset_token_default_matches_the_seeded_shuffle() -> None:
 def test_balance_dataset_bad_arguments() -> None:
     with pytest.raises(TypeError, match="needs cost=CostModel"):
         PackedDataset(corpus(10), 64, balance="compute")
-    with pytest.raises(ValueError, match="balance='flops'"):
+    with pytest.raises(
+        ValueError, match=r"balance must be one of \('token', 'compute'\), got 'flops'"
+    ):
         PackedDataset(corpus(10), 64, balance="flops")
     with pytest.raises(ValueError, match="micro_batches"):
         PackedDataset(corpus(10), 64, micro_batches=0)

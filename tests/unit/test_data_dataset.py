@@ -11,6 +11,7 @@ import torch
 
 from megapack import PackedBatch
 from megapack.data import Document, PackedDataset
+from megapack.packing import LoadOptions, PackOptions
 
 
 def corpus(n: int = 40, seed: int = 0, max_len: int = 50) -> list[Document]:
@@ -132,7 +133,7 @@ def test_other_long_document_policies(policy: str) -> None:
             "seq_len=60 must be a multiple of pad_to_multiple_of=8",
         ),
         ({"seq_len": 64, "dp_rank": 3, "dp_size": 3}, "dp_rank=3 is outside dp_size=3"),
-        ({"seq_len": 64, "long_docs": "wrap"}, "long_docs='wrap'"),
+        ({"seq_len": 64, "long_docs": "wrap"}, "long_docs must be one of .*, got 'wrap'"),
         ({"seq_len": 0}, "seq_len must be an int >= 1, got 0"),
         (
             {"seq_len": 64, "rows_per_micro_batch": 0},
@@ -203,8 +204,8 @@ def test_meta_records_the_settings_and_counts() -> None:
     docs = [Document(tokens=np.arange(1, n + 1), loss_mask=np.ones(n)) for n in (10, 8, 3, 20)]
     meta = PackedDataset(docs, 8).meta  # 10 -> 8 + 2 and 20 -> 8 + 8 + 4; 8 fits exactly
     assert (meta["input_documents"], meta["split_documents"], meta["documents"]) == (4, 2, 7)
-    assert (meta["pad_to_multiple_of"], meta["seed"], meta["cp_size"]) == (1, 0, 1)
-    assert PackedDataset(docs, 8, cp_size=2, long_docs="truncate").meta["cp_size"] == 2
+    assert meta["packing"] == PackOptions(seq_len=8).to_dict()  # how it was packed, every field
+    assert PackedDataset(docs, 8, cp_size=2, long_docs="truncate").meta["packing"]["cp_size"] == 2
     truncated = PackedDataset(docs, 8, long_docs="truncate").meta
     assert (truncated["input_documents"], truncated["split_documents"]) == (4, 0)
 
@@ -218,11 +219,12 @@ def test_compute_balance_deals_rows_by_their_cost(tmp_path: Path) -> None:
     docs = corpus(60)
     cost = CostModel(a=1, b=1)
     layout = {"dp_size": 2, "micro_batches": 2, "rows_per_micro_batch": 1}
+    deal = LoadOptions(balance="compute", cost=cost, **layout)
     ds = PackedDataset(docs, 64, seed=3, balance="compute", cost=cost, **layout)
     costs = cost.bin_costs(ds._arrays["slices"], ds._arrays["bin_offsets"])
     for epoch in (0, 1):
         ds.set_epoch(epoch)
-        want = order_rows(costs, balance="compute", **layout, seed=(3, epoch))
+        want = order_rows(costs, deal, seed=(3, epoch))
         assert ds.order().tolist() == want.tolist()
     token = PackedDataset(docs, 64, seed=3, **layout)
     rows = int(token.meta["rows"])
@@ -230,14 +232,11 @@ def test_compute_balance_deals_rows_by_their_cost(tmp_path: Path) -> None:
     assert token.order().tolist() == shuffle + [-1] * (-rows % 4)
     ds.save(tmp_path / "p")
     loaded = PackedDataset.load(tmp_path / "p", balance="compute", cost=cost, **layout)
-    assert (
-        loaded.order().tolist()
-        == order_rows(costs, balance="compute", **layout, seed=(3, 0)).tolist()
-    )
+    assert loaded.order().tolist() == order_rows(costs, deal, seed=(3, 0)).tolist()
     with pytest.raises(TypeError, match=r"^balance='compute' needs cost=CostModel"):
         PackedDataset(docs, 64, balance="compute")
     with pytest.raises(
-        ValueError, match=r"^balance='flops'; choose one of \('token', 'compute'\)$"
+        ValueError, match=r"^balance must be one of \('token', 'compute'\), got 'flops'$"
     ):
         PackedDataset(docs, 64, balance="flops")
     with pytest.raises(ValueError, match=r"^dp_size must be an int >= 1, got 0$"):
@@ -262,10 +261,14 @@ def test_save_and_load_details(tmp_path: Path) -> None:
     del meta["pad_token_id"]
     (out / "meta.json").write_text(json.dumps(meta))
     assert PackedDataset.load(out)[0].tokens[0].tolist() == [5, 6, 7, 0]
-    (out / "meta.json").write_text(json.dumps({**meta, "version": 2}))
+    (out / "meta.json").write_text(json.dumps({**meta, "version": 1}))
     with pytest.raises(
-        ValueError, match=rf"^{out / 'meta.json'}: format version 2, this megapack reads 1$"
+        ValueError,
+        match=rf"^{out / 'meta.json'}: format version 1, this megapack reads 2: pack it again$",
     ):
+        PackedDataset.load(out)
+    (out / "meta.json").write_text(json.dumps({**meta, "packing": {**meta["packing"], "x": 1}}))
+    with pytest.raises(ValueError, match=r"\"packing\" has 'x', which PackOptions does not know"):
         PackedDataset.load(out)
 
 

@@ -19,6 +19,7 @@ from megapack.cli.progress import Progress
 from megapack.data import Document, PackedDataset, read_jsonl
 from megapack.data.convert import DocumentBatch
 from megapack.data.pack_writer import PackWriter
+from megapack.packing import PackOptions
 
 NAMES = ("tokens", "loss_mask", "doc_offsets", "slices", "bin_offsets", "origins")
 
@@ -70,10 +71,9 @@ def test_pack_writer_matches_packed_dataset_save(
     PackedDataset(
         docs, 128, pad_to_multiple_of=multiple, cp_size=cp, long_docs=long_docs, pad_token_id=256
     ).save(tmp_path / "ref")
-    writer = PackWriter(tmp_path / "out", 128, pad_to_multiple_of=multiple, cp_size=cp,
-                        long_docs=long_docs, pad_token_id=256, buffer_tokens=100)  # fmt: skip
+    writer = PackWriter(tmp_path / "out", PackOptions(seq_len=128, pad_to_multiple_of=multiple, cp_size=cp, long_docs=long_docs), pad_token_id=256, buffer_tokens=100)  # fmt: skip
     meta = writer.write(read_jsonl(src, skip_bad=True))
-    assert meta["pad_to_multiple_of"] == max(multiple, 2 * cp if cp > 1 else 1)
+    assert PackOptions.from_dict(meta["packing"]).multiple == max(multiple, 2 * cp if cp > 1 else 1)
     same_dirs(tmp_path / "ref", tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
         [*(f"{n}.npy" for n in NAMES), "meta.json"]
@@ -82,8 +82,7 @@ def test_pack_writer_matches_packed_dataset_save(
     assert len(loaded) == len(ref) == meta["rows"]
     assert all(np.array_equal(loaded[i].tokens, ref[i].tokens) for i in range(len(ref)))
     # the same through whole DocumentBatches (megapack pack's way), some holding long documents
-    writer = PackWriter(tmp_path / "batched", 128, pad_to_multiple_of=multiple, cp_size=cp,
-                        long_docs=long_docs, pad_token_id=256, buffer_tokens=100)  # fmt: skip
+    writer = PackWriter(tmp_path / "batched", PackOptions(seq_len=128, pad_to_multiple_of=multiple, cp_size=cp, long_docs=long_docs), pad_token_id=256, buffer_tokens=100)  # fmt: skip
     assert writer.write(read_jsonl(src, skip_bad=True).batches()) == meta
     same_dirs(tmp_path / "ref", tmp_path / "batched")
 
@@ -231,10 +230,12 @@ def test_pack_writer_resumes_from_the_last_checkpoint(tmp_path: Path) -> None:
 def test_pack_writer_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="seq_len must be an int >= 1, got 0"):
         PackWriter(tmp_path, 0)
-    with pytest.raises(ValueError, match=r"long_docs='cut'; choose one of"):
-        PackWriter(tmp_path, 8, long_docs="cut")
-    with pytest.raises(ValueError, match=r"algorithm='fast'; choose one of"):
-        PackWriter(tmp_path, 8, algorithm="fast")
+    with pytest.raises(
+        TypeError, match=r"^seq_len must be an int >= 1, got dict \{'seq_len': 8\}$"
+    ):
+        PackWriter(tmp_path, {"seq_len": 8})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^pad_token_id must be an int >= 0, got -1$"):
+        PackWriter(tmp_path, 8, pad_token_id=-1)
     with pytest.raises(ValueError, match=r"^documents is empty: nothing to pack$"):
         PackWriter(tmp_path / "e", 8).write([])
     for name in ("checkpoint_every", "buffer_tokens"):
@@ -258,8 +259,7 @@ def test_pack_cli_resume_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         "--checkpoint-every",
         "5",
     ]
-    writer = PackWriter(out, 128, pad_token_id=256, checkpoint_every=5,
-                        config={"input": str(src.resolve()), "tokenizer": None})  # fmt: skip
+    writer = PackWriter(out, PackOptions(seq_len=128), pad_token_id=256, checkpoint_every=5, config={"input": str(src.resolve()), "tokenizer": None})  # fmt: skip
     reader = read_jsonl(src, skip_bad=True)
     with pytest.raises(KeyboardInterrupt):
         writer.write(interrupted(reader, 12), position=lambda: reader.rows_done)
@@ -286,7 +286,8 @@ def test_pack_cli_never_imports_torch(tmp_path: Path) -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, check=True
     )
     assert done.stdout.strip().splitlines()[-1] == "0 []"
-    assert json.loads((tmp_path / "out" / "meta.json").read_text())["pad_to_multiple_of"] == 4
+    packing = json.loads((tmp_path / "out" / "meta.json").read_text())["packing"]
+    assert PackOptions.from_dict(packing) == PackOptions(seq_len=128, cp_size=2)
 
 
 def test_pack_progress_plain_lines_without_a_terminal() -> None:
@@ -355,13 +356,17 @@ def test_pack_writer_config_takes_any_value_and_compares_every_key(tmp_path: Pat
     ]:
         with pytest.raises(ValueError, match=message):
             PackWriter(tmp_path / "out", 128, resume=True, checkpoint_every=5, config=other)
-    cp = PackWriter(tmp_path / "cp", 8, cp_size=2, checkpoint_every=1)  # padding multiple 4
+    cp = PackWriter(
+        tmp_path / "cp", PackOptions(seq_len=8, cp_size=2), checkpoint_every=1
+    )  # padding multiple 4
     with pytest.raises(KeyboardInterrupt):
         cp.write(interrupted(iter([Document(tokens=[1, 2], loss_mask=[1, 1])] * 3), 2))
     with pytest.raises(  # the same multiple, lcm(4, 2 * 2), from another setting
         ValueError, match="started with pad_to_multiple_of=1, this run has pad_to_multiple_of=4"
     ):
-        PackWriter(tmp_path / "cp", 8, cp_size=2, pad_to_multiple_of=4, resume=True)
+        PackWriter(
+            tmp_path / "cp", PackOptions(seq_len=8, cp_size=2, pad_to_multiple_of=4), resume=True
+        )
     assert PackWriter(tmp_path / "out", 128, resume=True, config=config).rows_done == 10
 
 
@@ -429,7 +434,7 @@ def test_fingerprint_and_tokenizer_recorded_at_pack_time(
     old = json.loads((tmp_path / "w" / "meta.json").read_text())
     del old["fingerprint"]  # as an earlier megapack wrote it
     (tmp_path / "w" / "meta.json").write_text(json.dumps(old))
-    with caplog.at_level(logging.INFO, logger="megapack.data.layout"):
+    with caplog.at_level(logging.INFO, logger="megapack.data.packed_dir"):
         loaded = PackedDataset.load(tmp_path / "w")
     assert loaded.meta["fingerprint"] == meta["fingerprint"]
     assert "records no fingerprint (packed by an earlier megapack): computed it" in caplog.text

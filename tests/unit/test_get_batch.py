@@ -210,7 +210,7 @@ def test_a_middle_stage_without_a_dataset_sends_the_all_none_batch(
         out = get_batch_on_this_tp_rank(None, topology=rank(0, 1, 3), packed=packed)
         assert list(out) == list(OUTPUT_KEYS) and all(v is None for v in out.values())
     header, payload, _ = wire.sent[-1]
-    assert (header.status, header.stage, header.layout, header.key, header.nbytes) == (
+    assert (header.status, header.stage, header.form, header.key, header.nbytes) == (
         Status.OK, Stage.MIDDLE, 1, SCHEMA.key, 0,
     )  # fmt: skip
     assert header.dims == (None,) * len(SCHEMA.fields) and payload == b""

@@ -8,27 +8,25 @@ from typing import Any
 import pytest
 import torch
 
-from megapack.harness.gpt import TinyGPT, init_weights, masked_mean_loss
+from megapack.harness.gpt import TinyGPT, init_weights, micro_batch_losses
+from megapack.megatron import normalized_loss
 
 
-def test_masked_mean_loss_counts_only_trained_positions() -> None:
-    mask = torch.tensor([[1, 0, 1, 1]])
+def test_micro_batch_losses_are_each_micro_batch_mean_over_trained_tokens() -> None:
+    masks = [
+        torch.tensor([[1, 0, 1, 1]]),
+        torch.tensor([[0, 0, 0, 0]]),
+        torch.tensor([[0, 1, 0, 0]]),
+    ]
     per_token = torch.tensor([[2.0, 100.0, 4.0, 6.0]])
-    loss, report = masked_mean_loss(mask, per_token)
-    assert loss.item() == pytest.approx(4.0)
-    assert report["lm loss"].item() == pytest.approx(4.0)
-    assert report["per_token"].tolist() == [[2.0, 0.0, 4.0, 6.0]]
-
-
-def test_masked_mean_loss_of_an_all_masked_batch_is_zero_not_nan() -> None:
-    loss, _ = masked_mean_loss(torch.zeros(1, 3), torch.ones(1, 3))
-    assert loss.item() == 0.0
-
-
-def test_masked_mean_loss_report_is_not_the_returned_tensor() -> None:
-    loss, report = masked_mean_loss(torch.ones(1, 2), torch.ones(1, 2))
-    loss /= 2  # the schedule divides in place by the number of micro-batches
-    assert report["lm loss"].item() == 1.0
+    reports = [
+        normalized_loss(
+            {"loss_mask": m}, per_token, mode="micro_batch_mean", calculate_per_token_loss=False
+        )[-1]
+        for m in masks
+    ]
+    assert micro_batch_losses(reports) == pytest.approx([4.0, 0.0, 100.0])  # all masked: 0, not NaN
+    assert micro_batch_losses([]) == []
 
 
 def full_weights(tp: int, pp: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ def test_library_logs_and_never_prints(
     by_logger = {(r.name, r.levelno): r.getMessage() for r in caplog.records}
     skipped = by_logger[("megapack.data.record_reader", logging.DEBUG)]
     assert skipped.startswith(f"skipped {src}:2:") and "completion" in skipped
-    assert by_logger[("megapack.data.layout", logging.INFO)].startswith(
+    assert by_logger[("megapack.data.packed_dir", logging.INFO)].startswith(
         "planned 4 documents into 3 rows of 32 tokens"
     )
 

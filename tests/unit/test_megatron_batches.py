@@ -244,10 +244,10 @@ def test_rows_merge_like_flatten_batch_for_packed_sequences(mbs: int, s: int, co
 def test_per_sequence_balancing_takes_chunks_r_and_2cp_minus_1_minus_r(cp: int, s: int) -> None:
     from megapack.core.cp_share import take_share
     from megapack.core.fields import Stage, schema_of
-    from megapack.core.normalize import normalize
+    from megapack.core.intake import to_batch
 
     schema = schema_of()
-    batch = normalize(two_documents_per_row(1, s), schema)
+    batch = to_batch(two_documents_per_row(1, s), schema)
     tensors = batch.values
     for rank in range(cp):
         share = take_share(tensors, schema.by_stage[Stage.ONLY], packed=True, cp_size=cp,

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megapack.packing import CostModel, plan
+from megapack.packing import CostModel, LoadOptions, PackOptions, plan
 from megapack.packing.balance import (
     balance_order,
     compute_order,
@@ -28,15 +28,21 @@ from megapack.packing.layers import deal_layers, stratify
 SQUARES = CostModel(a=0, b=1)
 
 
+def deal(balance: str = "token", **layout: int) -> LoadOptions:
+    """``layout`` (dp_size, micro_batches, rows_per_micro_batch) as `LoadOptions`; a compute plan
+    needs a cost there, the functions below read the row costs they are given."""
+    return LoadOptions(balance=balance, cost=SQUARES, **layout)
+
+
 def test_balance_worked_example_from_the_module_docstring() -> None:
     costs = np.array([8.0, 1, 8, 1])
     layout = {"dp_size": 2, "micro_batches": 2}
-    token = order_rows(costs, balance="token", **layout, seed=1)
+    token = order_rows(costs, deal("token", **layout), seed=1)
     assert token.tolist() == [0, 1, 2, 3]
-    assert rank_costs(token, costs, **layout).tolist() == [[16.0, 2.0]]
-    assert imbalance(token, costs, **layout) == pytest.approx(16 / 9)
-    balanced = order_rows(costs, balance="compute", **layout, seed=1)
-    assert rank_costs(balanced, costs, **layout).tolist() == [[9.0, 9.0]]
+    assert rank_costs(token, costs, deal(**layout)).tolist() == [[16.0, 2.0]]
+    assert imbalance(token, costs, deal(**layout)) == pytest.approx(16 / 9)
+    balanced = order_rows(costs, deal("compute", **layout), seed=1)
+    assert rank_costs(balanced, costs, deal(**layout)).tolist() == [[9.0, 9.0]]
     # pipeline order on a rank with two micro-batches: the cheaper one first
     assert costs[balanced].tolist() == [1.0, 1.0, 8.0, 8.0]
 
@@ -74,11 +80,11 @@ def test_balance_partition_close_to_brute_force(costs: list[int], groups: int) -
 
 @st.composite
 def cases(draw: st.DrawFn) -> dict:
-    capacity = draw(st.integers(4, 64))
-    lengths = draw(st.lists(st.integers(1, 2 * capacity), min_size=1, max_size=80))
+    seq_len = draw(st.integers(4, 64))
+    lengths = draw(st.lists(st.integers(1, 2 * seq_len), min_size=1, max_size=80))
     return {
         "lengths": lengths,
-        "capacity": capacity,
+        "seq_len": seq_len,
         "dp_size": draw(st.integers(1, 5)),
         "micro_batches": draw(st.integers(1, 4)),
         "rows_per_micro_batch": draw(st.integers(1, 3)),
@@ -90,10 +96,10 @@ def cases(draw: st.DrawFn) -> dict:
 @settings(max_examples=80, deadline=None)
 @given(case=cases())
 def test_balance_plans_keep_the_invariants_and_never_lose_to_the_token_plan(case: dict) -> None:
-    lengths, capacity = case.pop("lengths"), case.pop("capacity")
-    base = plan(lengths, capacity)
-    token = plan(lengths, capacity, balance="token", **case)
-    compute = plan(lengths, capacity, balance="compute", **case)
+    lengths, seq_len, seed = case.pop("lengths"), case.pop("seq_len"), case.pop("seed")
+    base = plan(lengths, seq_len)
+    token = plan(lengths, seq_len, loading=LoadOptions(balance="token", **case), seed=seed)
+    compute = plan(lengths, seq_len, loading=LoadOptions(balance="compute", **case), seed=seed)
     for p in (token, compute):
         p.validate()  # no row over the cap, no empty row
         # the same rows, each exactly once: each document's tokens exactly once
@@ -110,24 +116,25 @@ def test_balance_plans_keep_the_invariants_and_never_lose_to_the_token_plan(case
     layout = {k: case[k] for k in ("dp_size", "micro_batches", "rows_per_micro_batch")}
     cost = case["cost"]
     i_token = imbalance(
-        np.arange(token.num_bins), cost.bin_costs(token.slices, token.bin_offsets), **layout
+        np.arange(token.num_bins), cost.bin_costs(token.slices, token.bin_offsets), deal(**layout)
     )
-    i_compute = imbalance(
-        np.arange(compute.num_bins), cost.bin_costs(compute.slices, compute.bin_offsets), **layout
-    )
+    compute_costs = cost.bin_costs(compute.slices, compute.bin_offsets)
+    i_compute = imbalance(np.arange(compute.num_bins), compute_costs, deal(**layout))
     assert 1.0 <= i_compute <= i_token + 1e-9
     # reproducible with a seed
-    assert plan(lengths, capacity, balance="compute", **case) == compute
+    again = plan(lengths, seq_len, loading=LoadOptions(balance="compute", **case), seed=seed)
+    assert again == compute
 
 
 @settings(max_examples=60, deadline=None)
 @given(case=cases())
 def test_balance_padded_orders_give_every_rank_the_same_micro_batches(case: dict) -> None:
-    rows = plan(case.pop("lengths"), case.pop("capacity"))
+    rows = plan(case.pop("lengths"), case.pop("seq_len"))
     costs = case.pop("cost").bin_costs(rows.slices, rows.bin_offsets)
+    seed = case.pop("seed")
     dp, m, r = case["dp_size"], case["micro_batches"], case["rows_per_micro_batch"]
-    token = order_rows(costs, balance="token", **case)
-    compute = order_rows(costs, balance="compute", **case)
+    token = order_rows(costs, deal("token", **case), seed=seed)
+    compute = order_rows(costs, deal("compute", **case), seed=seed)
     per_batch = dp * m * r
     for order in (token, compute):
         assert len(order) % per_batch == 0  # whole steps: M micro-batches on every rank
@@ -136,8 +143,10 @@ def test_balance_padded_orders_give_every_rank_the_same_micro_batches(case: dict
     # the filler rows stay in the last global batch: each full batch is all real rows
     assert (compute[: rows.num_bins // per_batch * per_batch] >= 0).all()
     layout = {"dp_size": dp, "micro_batches": m, "rows_per_micro_batch": r}
-    assert imbalance(compute, costs, **layout) <= imbalance(token, costs, **layout) + 1e-9
-    assert order_rows(costs, balance="compute", **case).tolist() == compute.tolist()
+    assert (
+        imbalance(compute, costs, deal(**layout)) <= imbalance(token, costs, deal(**layout)) + 1e-9
+    )
+    assert order_rows(costs, deal("compute", **case), seed=seed).tolist() == compute.tolist()
 
 
 def test_balance_within_batches_never_worse_per_batch() -> None:
@@ -145,9 +154,9 @@ def test_balance_within_batches_never_worse_per_batch() -> None:
     costs = rng.pareto(1.5, 400) + 1
     order = rng.permutation(400)
     layout = {"dp_size": 4, "micro_batches": 5, "rows_per_micro_batch": 2}
-    balanced = balance_order(order, costs, **layout)
-    before = rank_costs(order, costs, **layout).max(axis=1)
-    after = rank_costs(balanced, costs, **layout).max(axis=1)
+    balanced = balance_order(order, costs, deal(**layout))
+    before = rank_costs(order, costs, deal(**layout)).max(axis=1)
+    after = rank_costs(balanced, costs, deal(**layout)).max(axis=1)
     assert (after <= before + 1e-9).all() and after.sum() < before.sum()
     # each global batch keeps its rows
     per_batch = 40
@@ -157,7 +166,7 @@ def test_balance_within_batches_never_worse_per_batch() -> None:
 
 def test_balance_micro_batch_order_on_a_rank() -> None:
     costs = np.array([5.0, 1, 3, 2, 4])  # one rank, five micro-batches of one row
-    order = balance_order(np.arange(5), costs, dp_size=1, micro_batches=5)
+    order = balance_order(np.arange(5), costs, LoadOptions(micro_batches=5))
     # the cheapest first, the second cheapest last, the others from most to least expensive
     assert costs[order].tolist() == [1.0, 5.0, 4.0, 3.0, 2.0]
 
@@ -188,14 +197,14 @@ def test_balance_deal_layers_matches_the_per_batch_deal(
     values = np.array(costs)
     layered = stratify(np.arange(len(values)), values, dp, np.random.default_rng(0))
     layout = {"dp_size": dp, "micro_batches": m, "rows_per_micro_batch": r}
-    fast = deal_layers(layered, values, **layout)
-    slow = balance_order(layered, values, **layout)
+    fast = deal_layers(layered, values, deal(**layout))
+    slow = balance_order(layered, values, deal(**layout))
     assert sorted(fast.tolist()) == list(range(len(values)))
     per_batch = dp * m * r
     for lo in range(0, len(values), per_batch):  # the same rows in every global batch
         assert sorted(fast[lo : lo + per_batch]) == sorted(layered[lo : lo + per_batch])
-    fast_max = rank_costs(fast, values, **layout).max(axis=1)
-    slow_max = rank_costs(slow, values, **layout).max(axis=1)
+    fast_max = rank_costs(fast, values, deal(**layout)).max(axis=1)
+    slow_max = rank_costs(slow, values, deal(**layout)).max(axis=1)
     # the layer deal (then swaps) is as good as LPT + swaps within 4/3 and usually equal
     assert (fast_max <= slow_max * 4 / 3 + 1e-9).all()
     # every rank's micro-batches in pipeline order
@@ -209,7 +218,9 @@ def test_balance_deal_layers_matches_the_per_batch_deal(
 
 def test_balance_deal_layers_snakes_rows_into_micro_batches() -> None:
     costs = np.arange(16, dtype=float)[::-1]  # 15 .. 0
-    order = deal_layers(np.arange(16), costs, dp_size=2, micro_batches=2, rows_per_micro_batch=4)
+    order = deal_layers(
+        np.arange(16), costs, deal(dp_size=2, micro_batches=2, rows_per_micro_batch=4)
+    )
     assert costs[order].reshape(4, 4).sum(axis=1).tolist() == [30.0] * 4  # every micro-batch
 
 
@@ -218,9 +229,12 @@ def test_balance_compute_order_improves_a_long_tail() -> None:
     rows = plan(lengths, 512)
     costs = SQUARES.bin_costs(rows.slices, rows.bin_offsets)
     layout = {"dp_size": 8, "micro_batches": 4}
-    token = order_rows(costs, balance="token", **layout)
-    compute = compute_order(token, costs, **layout, seed=3)
-    before, after = imbalance(token, costs, **layout), imbalance(compute, costs, **layout)
+    token = order_rows(costs, deal("token", **layout))
+    compute = compute_order(token, costs, deal(**layout), seed=3)
+    before, after = (
+        imbalance(token, costs, deal(**layout)),
+        imbalance(compute, costs, deal(**layout)),
+    )
     assert after - 1 < (before - 1) / 2, (before, after)
 
 
@@ -229,13 +243,13 @@ def test_balance_compute_order_improves_a_long_tail() -> None:
     [
         ({"balance": "flops"}, ValueError, "balance must be one of"),
         ({"balance": "compute"}, TypeError, "needs cost=CostModel"),
-        ({"balance": "token", "dp_size": 0}, ValueError, "dp_size must be >= 1"),
+        ({"balance": "token", "dp_size": 0}, ValueError, "dp_size must be an int >= 1, got 0"),
         ({"balance": "token", "micro_batches": 2.0}, TypeError, "micro_batches must be an int"),
     ],
 )
 def test_balance_bad_arguments_are_named(kwargs: dict, error: type, words: str) -> None:
     with pytest.raises(error, match=words):
-        plan([3, 2, 4], 5, **kwargs)
+        plan([3, 2, 4], 5, loading=LoadOptions(**kwargs))
 
 
 def test_balance_docstrings() -> None:
@@ -251,7 +265,7 @@ def test_balance_compare_plans_reports_both() -> None:
     from megapack.packing.compare import compare_plans
 
     lengths = np.random.default_rng(2).lognormal(4, 1.2, 2000).astype(int) + 1
-    r = compare_plans(lengths, 512, dp_size=4, micro_batches=2, cost=SQUARES)
+    r = compare_plans(lengths, 512, LoadOptions(dp_size=4, micro_batches=2, cost=SQUARES))
     assert r["imbalance_compute_plan"] <= r["imbalance_token_plan"]
     assert r["imbalance_compute_plan"] < 1.01 < r["imbalance_token_plan"]
     rows = plan(lengths, 512)
@@ -270,27 +284,28 @@ def test_balance_compare_plans_passes_every_setting_on() -> None:
     lengths = np.random.default_rng(4).lognormal(3, 1, 400).astype(int) + 1
     cost = CostModel(a=2, b=1)
     layout = {"dp_size": 2, "micro_batches": 3, "rows_per_micro_batch": 2}
-    r = compare_plans(lengths, 64, **layout, cost=cost, algorithm="next_fit", seed=3)
+    packing = PackOptions(seq_len=64, algorithm="next_fit", seed=3)
+    r = compare_plans(lengths, packing, LoadOptions(**layout, cost=cost))
     rows = plan(lengths, 64, algorithm="next_fit")
     assert rows.num_bins != plan(lengths, 64).num_bins  # next fit packs worse than bfd here
     costs = cost.bin_costs(rows.slices, rows.bin_offsets)
     per_batch = 2 * 3 * 2
     for mode in ("token", "compute"):
-        order = order_rows(costs, balance=mode, **layout, seed=3)
-        assert r[f"imbalance_{mode}_plan"] == imbalance(order, costs, **layout)
+        order = order_rows(costs, deal(mode, **layout), seed=3)
+        assert r[f"imbalance_{mode}_plan"] == imbalance(order, costs, deal(**layout))
         padded = -(-rows.num_bins // per_batch) * per_batch
         assert r[f"efficiency_{mode}_plan"] == rows.packed_tokens / (padded * 64)
     assert r["imbalance_token_plan"] != imbalance(  # another seed deals other rows
-        order_rows(costs, balance="token", **layout, seed=0), costs, **layout
+        order_rows(costs, deal("token", **layout), seed=0), costs, deal(**layout)
     )
     assert (r["rows"], r["global_batches"]) == (rows.num_bins, rows.num_bins // per_batch)
     assert {k: r[k] for k in (*layout, "cost_a", "cost_b")} == {**layout, "cost_a": 2, "cost_b": 1}
     assert isinstance(r["compute_plan_seconds"], float) and 0 <= r["compute_plan_seconds"] < 60
     assert len(r) == 12
-    with pytest.raises(ValueError, match=r"^dp_size must be >= 1, got 0$"):
-        compare_plans(lengths, 64, dp_size=0, cost=cost)
-    with pytest.raises(TypeError, match=r"^balance='compute' needs cost=CostModel"):
-        compare_plans(lengths, 64, dp_size=2, cost=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^compare_plans needs loading=LoadOptions\(cost="):
+        compare_plans(lengths, 64, LoadOptions(dp_size=2))
+    with pytest.raises(TypeError, match=r"^compare_plans: expected LoadOptions, got dict"):
+        compare_plans(lengths, 64, {"dp_size": 2})  # type: ignore[arg-type]
 
 
 def test_balance_compare_plans_seed_reaches_best() -> None:
@@ -301,11 +316,12 @@ def test_balance_compare_plans_seed_reaches_best() -> None:
                36, 37, 2, 24, 33, 31, 17, 34, 33]  # fmt: skip
     layout = {"dp_size": 2, "micro_batches": 1}
     for seed in (0, 1):
-        r = compare_plans(lengths, 64, **layout, cost=SQUARES, algorithm="best", seed=seed)
+        packing = PackOptions(seq_len=64, algorithm="best", seed=seed)
+        r = compare_plans(lengths, packing, LoadOptions(**layout, cost=SQUARES))
         p = plan(lengths, 64, algorithm="best", seed=seed)
         costs = SQUARES.bin_costs(p.slices, p.bin_offsets)
-        order = order_rows(costs, balance="token", **layout, seed=seed)
-        assert r["imbalance_token_plan"] == imbalance(order, costs, **layout)
+        order = order_rows(costs, deal("token", **layout), seed=seed)
+        assert r["imbalance_token_plan"] == imbalance(order, costs, deal(**layout))
 
 
 def test_balance_order_rows_seeds() -> None:
@@ -315,54 +331,54 @@ def test_balance_order_rows_seeds() -> None:
     costs = np.random.default_rng(0).pareto(1.5, 50) + 1
     layout = {"dp_size": 2, "micro_batches": 3}
     for seed in (4, (4, 1)):
-        token = order_rows(costs, balance="token", **layout, seed=seed, pad=False)
+        token = order_rows(costs, deal("token", **layout), seed=seed, pad=False)
         assert token.tolist() == np.random.default_rng(seed).permutation(50).tolist()
-        padded = order_rows(costs, balance="token", **layout, seed=seed)
+        padded = order_rows(costs, deal("token", **layout), seed=seed)
         assert padded.tolist() == [*token.tolist(), -1, -1, -1, -1]  # 54 = 9 batches of 6
-        compute = order_rows(costs, balance="compute", **layout, seed=seed)
+        compute = order_rows(costs, deal("compute", **layout), seed=seed)
         parts = (seed,) if isinstance(seed, int) else seed
         assert (
-            compute.tolist() == compute_order(padded, costs, **layout, seed=(*parts, 13)).tolist()
+            compute.tolist()
+            == compute_order(padded, costs, deal(**layout), seed=(*parts, 13)).tolist()
         )
-    assert order_rows(costs, balance="token", **layout).tolist() == (
-        order_rows(costs, balance="token", **layout, seed=0).tolist()
+    assert order_rows(costs, deal("token", **layout)).tolist() == (
+        order_rows(costs, deal("token", **layout), seed=0).tolist()
     )
-    token = order_rows(costs, balance="token", **layout)
-    assert compute_order(token, costs, **layout).tolist() == (
-        compute_order(token, costs, **layout, seed=0).tolist()
+    token = order_rows(costs, deal("token", **layout))
+    assert compute_order(token, costs, deal(**layout)).tolist() == (
+        compute_order(token, costs, deal(**layout), seed=0).tolist()
     )
 
 
 def test_balance_imbalance_edge_cases() -> None:
     layout = {"dp_size": 2, "micro_batches": 1}
-    assert imbalance(np.arange(4), np.zeros(4), **layout) == 1.0  # nothing to balance
+    assert imbalance(np.arange(4), np.zeros(4), deal(**layout)) == 1.0  # nothing to balance
     # costs below 1 count like any others: (0.5 / 0.3 + 0.2 / 0.15) / 2
     small = np.array([0.5, 0.1, 0.2, 0.1])
-    assert imbalance(np.arange(4), small, **layout) == round((0.5 / 0.3 + 0.2 / 0.15) / 2, 12)
+    assert imbalance(np.arange(4), small, deal(**layout)) == round((0.5 / 0.3 + 0.2 / 0.15) / 2, 12)
     # rounded to 12 decimals, so equal plans compare equal whatever the summation order
-    assert imbalance(np.arange(4), np.array([8.0, 1, 8, 1]), dp_size=2, micro_batches=2) == round(
-        16 / 9, 12
-    )
+    two = deal(dp_size=2, micro_batches=2)
+    assert imbalance(np.arange(4), np.array([8.0, 1, 8, 1]), two) == round(16 / 9, 12)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"rows_per_micro_batch": 0}, ValueError, r"^rows_per_micro_batch must be >= 1, got 0$"),
-        ({"micro_batches": 2.0}, TypeError, r"^micro_batches must be an int, got float 2\.0$"),
-        ({"dp_size": True}, TypeError, r"^dp_size must be an int, got bool True$"),
+        ({"rows_per_micro_batch": 0}, ValueError, r"^rows_per_micro_batch must be an int >= 1, got 0$"),
+        ({"micro_batches": 2.0}, TypeError, r"^micro_batches must be an int >= 1, got float 2\.0$"),
+        ({"dp_size": True}, TypeError, r"^dp_size must be an int >= 1, got bool True$"),
+        ({"balance": "compute", "cost": "flops"}, TypeError, r"^cost must be a CostModel or None, got str$"),
         (
-            {"balance": "compute", "cost": "flops"},
+            {"balance": "compute"},
             TypeError,
-            r"^balance='compute' needs cost=CostModel\(\.\.\.\), got str; e\.g\. "
+            r"^balance='compute' needs cost=CostModel\(\.\.\.\), got None; e\.g\. "
             r"CostModel\.from_shape\(hidden=\.\.\., ffn=\.\.\., layers=\.\.\., heads=\.\.\., "
             r"vocab=\.\.\.\)$",
         ),
     ],
-)
+)  # fmt: skip
 def test_balance_check_names_the_argument(kwargs: dict, error: type, message: str) -> None:
-    from megapack.packing.balance import check_balance
-
+    """The dealing's checks are `LoadOptions`' own (every function here takes one)."""
     args = {"balance": "token", "dp_size": 2, "micro_batches": 2, "rows_per_micro_batch": 1}
     with pytest.raises(error, match=message):
-        check_balance(**{**args, "cost": None, **kwargs})
+        LoadOptions(**{**args, **kwargs})

@@ -18,7 +18,7 @@ OPENCHAT = bundled_lengths_path()  # package data: always there, never skipped
 
 
 @pytest.mark.parametrize(
-    ("sizes", "capacity", "l1", "l2"),
+    ("sizes", "seq_len", "l1", "l2"),
     [
         ([7, 7, 7, 4, 4, 4], 10, 4, 5),  # the module docstring's example: the 4s fit beside no 7
         ([6, 6, 6, 6, 5, 5], 10, 4, 5),  # L(5): four 6s alone, the two 5s need a fifth bin
@@ -29,25 +29,25 @@ OPENCHAT = bundled_lengths_path()  # package data: always there, never skipped
         ([], 7, 0, 0),
     ],
 )
-def test_hand_examples(sizes: list[int], capacity: int, l1: int, l2: int) -> None:
+def test_hand_examples(sizes: list[int], seq_len: int, l1: int, l2: int) -> None:
     arr = np.array(sizes, dtype=np.int64)
-    assert (l1_bound(arr, capacity), l2_bound(arr, capacity)) == (l1, l2)
-    assert lower_bound(arr, capacity) == max(l1, l2)
+    assert (l1_bound(arr, seq_len), l2_bound(arr, seq_len)) == (l1, l2)
+    assert lower_bound(arr, seq_len) == max(l1, l2)
 
 
-def l2_reference(sizes: list[int], capacity: int) -> int:
+def l2_reference(sizes: list[int], seq_len: int) -> int:
     """Martello-Toth L2 straight from its definition, trying every K in [0, C/2]."""
     best = 0
-    for k in range(capacity // 2 + 1):
-        j1 = [w for w in sizes if w > capacity - k]
-        j2 = [w for w in sizes if capacity - k >= w and 2 * w > capacity]
-        j3 = [w for w in sizes if k <= w and 2 * w <= capacity]
-        spill = sum(j3) - (len(j2) * capacity - sum(j2))
-        best = max(best, len(j1) + len(j2) + max(0, -(-spill // capacity)))
+    for k in range(seq_len // 2 + 1):
+        j1 = [w for w in sizes if w > seq_len - k]
+        j2 = [w for w in sizes if seq_len - k >= w and 2 * w > seq_len]
+        j3 = [w for w in sizes if k <= w and 2 * w <= seq_len]
+        spill = sum(j3) - (len(j2) * seq_len - sum(j2))
+        best = max(best, len(j1) + len(j2) + max(0, -(-spill // seq_len)))
     return best
 
 
-def optimum(sizes: list[int], capacity: int) -> int:
+def optimum(sizes: list[int], seq_len: int) -> int:
     """Fewest bins, by exhaustive search over assignments (tiny inputs only)."""
     items = tuple(sorted(sizes, reverse=True))
 
@@ -58,7 +58,7 @@ def optimum(sizes: list[int], capacity: int) -> int:
         options = {
             tuple(sorted((*loads[:b], load + items[i], *loads[b + 1 :])))
             for b, load in enumerate(loads)
-            if load + items[i] <= capacity
+            if load + items[i] <= seq_len
         }
         options.add(tuple(sorted((*loads, items[i]))))
         return min(solve(i + 1, o) for o in options)
@@ -67,19 +67,19 @@ def optimum(sizes: list[int], capacity: int) -> int:
 
 
 @settings(max_examples=150, deadline=None)
-@given(capacity=st.integers(1, 40), data=st.data())
-def test_vectorized_l2_equals_definition(capacity: int, data: st.DataObject) -> None:
-    sizes = data.draw(st.lists(st.integers(1, capacity), max_size=40))
-    assert l2_bound(np.array(sizes, dtype=np.int64), capacity) == l2_reference(sizes, capacity)
+@given(seq_len=st.integers(1, 40), data=st.data())
+def test_vectorized_l2_equals_definition(seq_len: int, data: st.DataObject) -> None:
+    sizes = data.draw(st.lists(st.integers(1, seq_len), max_size=40))
+    assert l2_bound(np.array(sizes, dtype=np.int64), seq_len) == l2_reference(sizes, seq_len)
 
 
 @settings(max_examples=80, deadline=None)
-@given(capacity=st.integers(1, 12), data=st.data())
-def test_bounds_never_exceed_the_optimum(capacity: int, data: st.DataObject) -> None:
-    sizes = data.draw(st.lists(st.integers(1, capacity), max_size=7))
+@given(seq_len=st.integers(1, 12), data=st.data())
+def test_bounds_never_exceed_the_optimum(seq_len: int, data: st.DataObject) -> None:
+    sizes = data.draw(st.lists(st.integers(1, seq_len), max_size=7))
     arr = np.array(sizes, dtype=np.int64)
-    best = optimum(sizes, capacity)
-    assert l1_bound(arr, capacity) <= lower_bound(arr, capacity) <= best
+    best = optimum(sizes, seq_len)
+    assert l1_bound(arr, seq_len) <= lower_bound(arr, seq_len) <= best
 
 
 def test_openchat_bounds_match_the_data_readme() -> None:

@@ -32,7 +32,8 @@ def test_pad_multiple_is_the_lcm_with_two_cp() -> None:
 def test_dataset_rows_split_by_document_on_every_cp_rank(cp: int) -> None:
     lengths = [5, 3, 17, 1, 9, 30, 2, 11]
     ds = PackedDataset(docs(lengths), 32, cp_size=cp)
-    assert ds.meta["cp_size"] == cp and ds.meta["pad_to_multiple_of"] == 2 * cp
+    assert ds.packing.cp_size == cp and ds.packing.multiple == 2 * cp
+    assert ds.meta["packing"]["cp_size"] == cp and ds.meta["packing"]["pad_to_multiple_of"] == 1
     real = 0
     for batch in ds:
         assert batch.cu_seqlens_padded is not None
@@ -69,28 +70,15 @@ def test_cli_pack_and_stats_take_cp_size(
     )
     assert "alignment padding tokens" in capsys.readouterr().out
     ds = PackedDataset.load(tmp_path / "p")
-    assert ds.meta["cp_size"] == 2 and ds.meta["pad_to_multiple_of"] == 4
+    assert ds.packing.cp_size == 2 and ds.packing.multiple == 4
     for batch in ds:
         check_cp_spans(batch.cu_seqlens_padded, 2)  # type: ignore[arg-type]
-    assert (
-        main(
-            [
-                "stats",
-                str(src),
-                "--seq-len",
-                "64",
-                "--cp-size",
-                "4",
-                "--pad-multiple",
-                "3",
-                "--time-limit",
-                "0.1",
-            ]
-        )
-        == 0
-    )
+    argv = ["stats", str(src), "--seq-len", "72", "--cp-size", "4", "--pad-multiple", "3"]
+    assert main([*argv, "--search-steps", "100"]) == 0
     out = capsys.readouterr().out
     assert "documents padded to multiples of 24 (cp_size=4, pad multiple 3)" in out
+    assert main([*argv[:3], "64", *argv[4:]]) == 2  # as pack: rows hold whole padded documents
+    assert "--seq-len 64 must be a multiple of 24" in capsys.readouterr().err
     assert (
         main(["pack", str(src), "--seq-len", "60", "--cp-size", "4", "--out", str(tmp_path / "q")])
         == 2

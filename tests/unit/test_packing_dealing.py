@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from megapack.packing.balance import rank_costs
 from megapack.packing.dealing import balance_order, partition, pipeline_order
+from megapack.packing.options import LoadOptions
 
 
 def lpt(costs: list[float], sizes: list[int]) -> list[int]:
@@ -114,12 +115,12 @@ def test_dealing_balance_order_never_worse_than_its_input_in_any_batch(
         [np.random.default_rng(seed).permutation(len(costs)), np.full(fillers, -1)]
     )
     layout = {"dp_size": dp, "micro_batches": m, "rows_per_micro_batch": r}
-    out = balance_order(order, values, **layout)
+    out = balance_order(order, values, LoadOptions(**layout))
     per_batch = dp * m * r
     for lo in range(0, len(order), per_batch):
         assert sorted(out[lo : lo + per_batch]) == sorted(order[lo : lo + per_batch])
-    before = rank_costs(order, values, **layout).max(axis=1)
-    after = rank_costs(out, values, **layout).max(axis=1)
+    before = rank_costs(order, values, LoadOptions(**layout)).max(axis=1)
+    after = rank_costs(out, values, LoadOptions(**layout)).max(axis=1)
     assert (after <= before).all()
     # the better of the two candidates: partition's rule from scratch, or from the given deal
     for b, lo in enumerate(range(0, len(order), per_batch)):
@@ -138,8 +139,8 @@ def test_dealing_balance_order_takes_the_better_candidate() -> None:
     rank = [i % 3 for i in range(9)]
     from_lpt, from_deal = refine(costs, lpt(costs, [3, 3, 3]), 3), refine(costs, rank, 3)
     assert (heaviest(costs, from_lpt, 3), heaviest(costs, from_deal, 3)) == (26, 25)
-    out = balance_order(np.arange(9), np.array(costs), dp_size=3, micro_batches=3)
-    assert rank_costs(out, np.array(costs), dp_size=3, micro_batches=3).max() == 25
+    out = balance_order(np.arange(9), np.array(costs), LoadOptions(dp_size=3, micro_batches=3))
+    assert rank_costs(out, np.array(costs), LoadOptions(dp_size=3, micro_batches=3)).max() == 25
 
 
 def test_dealing_pipeline_order_ties_keep_index_order() -> None:

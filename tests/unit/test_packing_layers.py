@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from megapack.packing.dealing import balance_order
 from megapack.packing.layers import REFINE_ABOVE, deal_layers, stratify
+from megapack.packing.options import LoadOptions
 from tests.unit.test_packing_dealing import refine
 
 
@@ -63,7 +64,7 @@ def deal_reference(order: list[int], costs: list[float], dp: int, m: int, r: int
     if full * per < len(order):
         rest = np.array(order[full * per :])
         layout = {"dp_size": dp, "micro_batches": m, "rows_per_micro_batch": r}
-        out[full * per :] = balance_order(rest, np.array(costs), **layout).tolist()
+        out[full * per :] = balance_order(rest, np.array(costs), LoadOptions(**layout)).tolist()
     return out
 
 
@@ -107,7 +108,7 @@ def test_layers_deal_matches_the_reference(
         order = stratify(np.array(order), np.array(values), dp, np.random.default_rng(seed))
         order = order.tolist()
     layout = {"dp_size": dp, "micro_batches": m, "rows_per_micro_batch": r}
-    got = deal_layers(np.array(order), np.array(values), **layout)
+    got = deal_layers(np.array(order), np.array(values), LoadOptions(**layout))
     assert got.tolist() == deal_reference(order, values, dp, m, r)
 
 
@@ -115,7 +116,9 @@ def test_layers_deal_snakes_a_ranks_rows_over_its_micro_batches() -> None:
     """One rank, two micro-batches of three rows, costs 6 5 4 3 2 1: the snake gives micro-batch
     0 rows 6, 3, 2 (11) and micro-batch 1 rows 5, 4, 1 (10); the cheaper one runs first."""
     costs = np.array([6.0, 5, 4, 3, 2, 1])
-    got = deal_layers(np.arange(6), costs, dp_size=1, micro_batches=2, rows_per_micro_batch=3)
+    got = deal_layers(
+        np.arange(6), costs, LoadOptions(dp_size=1, micro_batches=2, rows_per_micro_batch=3)
+    )
     assert got.tolist() == [1, 2, 5, 0, 3, 4]
 
 
@@ -125,7 +128,7 @@ def test_layers_deal_refines_a_batch_the_layers_leave_uneven() -> None:
     mean 11); swapping 10 and 6 gives 11 | 11. Each rank runs its cheaper row first: micro-batch 0
     is rows 3 (5) and 1 (1), micro-batch 1 rows 2 (6) and 0 (10)."""
     costs = np.array([10.0, 1, 6, 5])
-    got = deal_layers(np.arange(4), costs, dp_size=2, micro_batches=2)
+    got = deal_layers(np.arange(4), costs, LoadOptions(dp_size=2, micro_batches=2))
     assert got.tolist() == [3, 1, 2, 0]
 
 
@@ -136,7 +139,7 @@ def test_layers_deal_ties_between_layers_go_to_the_lower_layer() -> None:
     rank 0 (11 | 11); rows 0, 1 to ranks 0, 1 (12 | 12). Rank 0 holds rows 0 2 4 7 (costs 1 1 5
     5) and runs 0, 7, 4, 2; rank 1 holds 1 3 5 6 (1 3 5 3) and runs 1, 5, 6, 3."""
     costs = np.array([1.0, 1, 1, 3, 5, 5, 3, 5])
-    got = deal_layers(np.arange(8), costs, dp_size=2, micro_batches=4)
+    got = deal_layers(np.arange(8), costs, LoadOptions(dp_size=2, micro_batches=4))
     assert got.tolist() == [0, 1, 7, 5, 4, 6, 2, 3]
 
 
@@ -145,7 +148,7 @@ def test_layers_deal_refines_only_the_uneven_batches() -> None:
     `REFINE_ABOVE` of its mean, so no swap (one would give 20,000 | 20,000); rank 0 runs rows 1, 2
     and rank 1 rows 3, 0. Batch 1 deals to 30,001 | 2, refined, but no swap helps."""
     costs = np.array([10_000.0, 10_000, 10_001, 9_999, 1, 30_000, 1, 1])
-    got = deal_layers(np.arange(8), costs, dp_size=2, micro_batches=2)
+    got = deal_layers(np.arange(8), costs, LoadOptions(dp_size=2, micro_batches=2))
     assert got.tolist() == [1, 3, 2, 0, 7, 4, 5, 6]
 
 
@@ -166,5 +169,5 @@ def test_layers_deal_fixed_inputs_with_ties(costs: list[float], dp: int, m: int,
     """Inputs where a sort that does not keep ties in order, or no snake at two rows per
     micro-batch, deals differently (found by search; the random property may not draw them)."""
     layout = {"dp_size": dp, "micro_batches": m, "rows_per_micro_batch": r}
-    got = deal_layers(np.arange(len(costs)), np.array(costs), **layout)
+    got = deal_layers(np.arange(len(costs)), np.array(costs), LoadOptions(**layout))
     assert got.tolist() == deal_reference(list(range(len(costs))), costs, dp, m, r)

@@ -8,12 +8,12 @@ import pytest
 
 from megapack.packing import PackPlan, plan
 
-# lengths [3, 2, 4] at capacity 5, best fit decreasing: bins [[2]], [[0], [1]]
+# lengths [3, 2, 4] at seq_len 5, best fit decreasing: bins [[2]], [[0], [1]]
 BINS = [[(2, 0, 4)], [(0, 0, 3), (1, 0, 2)]]
 
 
 def make(**kw: object) -> PackPlan:
-    args: dict = {"capacity": 5, "algorithm": "bfd", "lower_bound": 2, "num_docs": 3}
+    args: dict = {"seq_len": 5, "algorithm": "bfd", "lower_bound": 2, "num_docs": 3}
     args |= {"bin_offsets": [0, 1, 3], "slices": [[2, 0, 4], [0, 0, 3], [1, 0, 2]]} | kw
     return PackPlan(**args)
 
@@ -105,10 +105,10 @@ def test_pack_plan_to_arrays() -> None:
     [
         ([[(0, 0, 3)], []], r"^bin 1 of the plan is empty$"),
         ([[(0, 0, 3)], [], []], r"^bin 1 of the plan is empty$"),
-        ([[(0, 2, 2)]], r"^slice 0 \[0, 2, 2\] is empty or negative$"),
-        ([[(0, 0, 3), (1, 3, 1)]], r"^slice 1 \[1, 3, 1\] is empty or negative$"),
-        ([[(0, -1, 2)]], r"^slice 0 \[0, -1, 2\] is empty or negative$"),
-        ([[(0, 0, 4), (1, 0, 3)]], r"^bin 0 holds 7 tokens > capacity=5$"),
+        ([[(0, 2, 2)]], r"^piece 0 \[0, 2, 2\] is empty or negative$"),
+        ([[(0, 0, 3), (1, 3, 1)]], r"^piece 1 \[1, 3, 1\] is empty or negative$"),
+        ([[(0, -1, 2)]], r"^piece 0 \[0, -1, 2\] is empty or negative$"),
+        ([[(0, 0, 4), (1, 0, 3)]], r"^bin 0 holds 7 tokens > seq_len=5$"),
     ],
 )
 def test_pack_plan_validate_names_the_problem(bins: list, message: str) -> None:
@@ -118,8 +118,8 @@ def test_pack_plan_validate_names_the_problem(bins: list, message: str) -> None:
 
 def test_pack_plan_report_worked_examples() -> None:
     assert plan([3, 2, 4], 5).report().splitlines() == [
-        "PackPlan (bfd, capacity 5)",
-        "  documents    3 -> 3 slices in 2 bins",
+        "PackPlan (bfd, seq_len 5)",
+        "  documents    3 -> 3 pieces in 2 bins",
         "  tokens       9 packed in 10 slots: efficiency 90.000%",
         "  lower bound  2 bins: gap 0 bins (0.00%)",
         "  long docs    0 split (0 tokens, all packed), 0 truncated (0 tokens lost),"
@@ -133,7 +133,7 @@ def test_pack_plan_report_worked_examples() -> None:
         "  lower bound  1 bins: gap 1 bins (50.00%)",
     ]
     assert plan([], 8).report().splitlines()[1:] == [
-        "  documents    0 -> 0 slices in 0 bins",
+        "  documents    0 -> 0 pieces in 0 bins",
         "  tokens       0 packed in 0 slots: efficiency 0.000%",
         "  lower bound  0 bins: gap 0 bins (0.00%)",
         "  long docs    0 split (0 tokens, all packed), 0 truncated (0 tokens lost),"

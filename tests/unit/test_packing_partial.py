@@ -1,6 +1,6 @@
 """megapack.packing.partial: each move of the partial packing against brute force over every
 allowed swap or subset, on small random states (the search's heuristics keep every item and the
-capacity; these tests check that each step is the best one its rule allows)."""
+seq_len; these tests check that each step is the best one its rule allows)."""
 
 from __future__ import annotations
 
@@ -23,24 +23,24 @@ def values(weights: list[int], objective: str) -> list[int]:
 
 @st.composite
 def states(draw: st.DrawFn) -> tuple[list[int], int, list[list[int]], list[int], str, int]:
-    capacity = draw(st.integers(8, 20))
-    weights = draw(st.lists(st.integers(1, capacity), min_size=2, max_size=16))
+    seq_len = draw(st.integers(8, 20))
+    weights = draw(st.lists(st.integers(1, seq_len), min_size=2, max_size=16))
     where = draw(st.lists(st.integers(-1, 4), min_size=len(weights), max_size=len(weights)))
     bins: list[list[int]] = [[] for _ in range(5)]
     pool = []
     for i, b in enumerate(where):  # an item that does not fit its bin goes to the pool
-        if b >= 0 and sum(weights[j] for j in bins[b]) + weights[i] <= capacity:
+        if b >= 0 and sum(weights[j] for j in bins[b]) + weights[i] <= seq_len:
             bins[b].append(i)
         else:
             pool.append(i)
     objective = draw(st.sampled_from([LINEAR, SQUARED]))
-    return weights, capacity, bins, pool, objective, draw(st.integers(0, 1000))
+    return weights, seq_len, bins, pool, objective, draw(st.integers(0, 1000))
 
 
 def make(state: tuple) -> PartialPacking:
-    weights, capacity, bins, pool, objective, seed = state
-    return PartialPacking(weights, weights, capacity, [list(b) for b in bins], list(pool),
-                          objective=objective, rng=random.Random(seed), deadline=None)  # fmt: skip
+    weights, seq_len, bins, pool, objective, seed = state
+    return PartialPacking(weights, weights, seq_len, [list(b) for b in bins], list(pool),
+                          objective=objective, rng=random.Random(seed))  # fmt: skip
 
 
 def best_swap_change(p: PartialPacking, weights: list[int], value: list[int]) -> int | None:
@@ -93,7 +93,7 @@ def best_swap_change(p: PartialPacking, weights: list[int], value: list[int]) ->
 @example(state=([1, 2], 8, [[1], [], [], [], []], [0], LINEAR, 0), steps=1)
 @example(state=([1, 1], 8, [[0], [], [], [], []], [1], LINEAR, 0), steps=1)
 def test_partial_tabu_step_makes_the_best_allowed_swap(state: tuple, steps: int) -> None:
-    weights, capacity, _, _, objective, _ = state
+    weights, seq_len, _, _, objective, _ = state
     p = make(state)
     value = values(weights, objective)
     anchors = [list(a) for a in p.anchors]
@@ -108,7 +108,7 @@ def test_partial_tabu_step_makes_the_best_allowed_swap(state: tuple, steps: int)
         assert sum(value[i] for i in p.pool) - before == want
         assert [list(a) for a in p.anchors] == anchors  # items over half a bin never move
         for k, items in enumerate(p.items):
-            assert p.load[k] == sum(weights[i] for i in p.anchors[k] + items) <= capacity
+            assert p.load[k] == sum(weights[i] for i in p.anchors[k] + items) <= seq_len
         held = sorted([i for b in p.bins() for i in b] + p.pool)
         assert held == list(range(len(weights)))
         for i in pool - set(p.pool):  # the weights that went in may not leave for a while
@@ -125,16 +125,16 @@ def best_fill(weights: list[int], room: int) -> int:
 def test_partial_descent_leaves_no_bin_it_could_fill_better(state: tuple, target: int) -> None:
     """After a descent that did not reach ``target``, no bin can hold more of its own movable
     items plus the pool (exact subset sums); one that did (True) leaves a pool that fits it."""
-    weights, capacity = state[0], state[1]
+    weights, seq_len = state[0], state[1]
     p = make(state)
     done = p.descent(target)
     assert not done or p.fits(target)
     assert sorted([i for b in p.bins() for i in b] + p.pool) == list(range(len(weights)))
     for k, items in enumerate(p.items):
-        assert p.load[k] == sum(weights[i] for i in p.anchors[k] + items) <= capacity
+        assert p.load[k] == sum(weights[i] for i in p.anchors[k] + items) <= seq_len
         if not done:
             movable = [weights[i] for i in items + p.pool]
-            assert p.load[k] == p.fixed[k] + best_fill(movable, capacity - p.fixed[k])
+            assert p.load[k] == p.fixed[k] + best_fill(movable, seq_len - p.fixed[k])
 
 
 @settings(max_examples=100, deadline=None)
@@ -143,16 +143,16 @@ def test_partial_ends(state: tuple, target: int, limit: int) -> None:
     """fits: the pool fits ``target`` new bins (two: some split of it, by brute force);
     solution: every item once, the pool in at most ``target`` new bins; repacked: the pool by
     best fit, or None past ``limit`` new bins."""
-    weights, capacity = state[0], state[1]
+    weights, seq_len = state[0], state[1]
     p = make(state)
     sizes = [weights[i] for i in p.pool]
     total = sum(sizes)
     two = any(
-        sum(c) <= capacity and total - sum(c) <= capacity
+        sum(c) <= seq_len and total - sum(c) <= seq_len
         for r in range(len(sizes) + 1)
         for c in itertools.combinations(sizes, r)
     )
-    want = total == 0 if target == 0 else total <= capacity if target == 1 else two
+    want = total == 0 if target == 0 else total <= seq_len if target == 1 else two
     assert p.fits(target) == want
     kept = p.bins()
     assert all(kept) and len(kept) == sum(
@@ -162,13 +162,11 @@ def test_partial_ends(state: tuple, target: int, limit: int) -> None:
         out = p.solution(target)
         assert sorted(i for b in out for i in b) == list(range(len(weights)))
         assert len(out) - len(kept) <= target
-        assert all(sum(weights[i] for i in b) <= capacity for b in out)
+        assert all(sum(weights[i] for i in b) <= seq_len for b in out)
     from megapack.packing.bfd import best_fit_decreasing
 
     need = (
-        int(best_fit_decreasing(np.array(sizes, dtype=np.int64), capacity).max()) + 1
-        if sizes
-        else 0
+        int(best_fit_decreasing(np.array(sizes, dtype=np.int64), seq_len).max()) + 1 if sizes else 0
     )
     repacked = p.repacked(limit)
     if need > limit:
@@ -176,14 +174,7 @@ def test_partial_ends(state: tuple, target: int, limit: int) -> None:
     else:
         assert repacked is not None and len(repacked) == len(kept) + need
         assert sorted(i for b in repacked for i in b) == list(range(len(weights)))
-        assert all(sum(weights[i] for i in b) <= capacity for b in repacked)
-
-
-def test_partial_deadline_stops_the_descent() -> None:
-    sizes = [6, 3, 3, 4, 4]
-    past = PartialPacking(sizes, sizes, 10, [[0, 1], [3]], [2, 4], objective=LINEAR,
-                          rng=random.Random(0), deadline=0.0)  # fmt: skip
-    assert past.out_of_time() and past.descent(target=0) is False and past.pool == [2, 4]
+        assert all(sum(weights[i] for i in b) <= seq_len for b in repacked)
 
 
 def test_partial_pairs_leave_a_bin_of_pair_limit_items() -> None:
@@ -191,6 +182,6 @@ def test_partial_pairs_leave_a_bin_of_pair_limit_items() -> None:
     leaving make room, and a bin of eight items still offers its pairs."""
     sizes = [1] * PAIR_LIMIT + [3]
     p = PartialPacking(sizes, sizes, 9, [list(range(PAIR_LIMIT))], [PAIR_LIMIT], objective=LINEAR,
-                       rng=random.Random(0), deadline=None)  # fmt: skip
+                       rng=random.Random(0))  # fmt: skip
     assert p.tabu_step() is True
     assert sorted(sizes[i] for i in p.pool) == [1, 1] and p.load.tolist() == [9]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -14,14 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megapack.bench.datasets import bundled_lengths_path
-from megapack.packing import CostModel, Piece, StreamingPacker, plan
+from megapack.packing import CostModel, LoadOptions, PackOptions, Piece, StreamingPacker, plan
 from megapack.packing import streaming as streaming_module
 
 OPENCHAT = bundled_lengths_path()  # package data: always there, never skipped
 
 
 def triples(bins: object) -> list[list[tuple[int, int, int]]]:
-    return [[(p.position, p.start, p.stop) for p in b] for b in bins]  # type: ignore[attr-defined]
+    return [[(p.doc_index, p.start, p.stop) for p in b] for b in bins]  # type: ignore[attr-defined]
 
 
 def resumed(make: object, docs: list, k: int) -> tuple[list, list]:
@@ -44,31 +45,57 @@ def test_worked_example() -> None:
 @settings(max_examples=50, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 30), max_size=60),
-    capacity=st.integers(1, 20),
+    seq_len=st.integers(1, 20),
     buffer_size=st.integers(1, 12),
     policy=st.sampled_from(["split", "truncate", "drop"]),
 )
-def test_every_token_once(lengths: list[int], capacity: int, buffer_size: int, policy: str) -> None:
-    packer = StreamingPacker(capacity, buffer_size=buffer_size, long_docs=policy)
+def test_every_token_once(lengths: list[int], seq_len: int, buffer_size: int, policy: str) -> None:
+    packer = StreamingPacker(
+        PackOptions(seq_len=seq_len, long_docs=policy), buffer_size=buffer_size
+    )
     bins = list(packer.pack(lengths))
     seen: dict[int, list[tuple[int, int]]] = {}
     for b in bins:
-        assert b and sum(p.stop - p.start for p in b) <= capacity
+        assert b and sum(p.stop - p.start for p in b) <= seq_len
         for p in b:
-            assert p.doc == lengths[p.position]
-            seen.setdefault(p.position, []).append((p.start, p.stop))
+            assert p.doc == lengths[p.doc_index]
+            seen.setdefault(p.doc_index, []).append((p.start, p.stop))
     for i, n in enumerate(lengths):
-        if n > capacity and policy == "drop":
+        if n > seq_len and policy == "drop":
             assert i not in seen
             continue
         spans = sorted(seen[i])
-        assert spans[0][0] == 0 and spans[-1][1] == (
-            min(n, capacity) if policy == "truncate" else n
-        )
+        assert spans[0][0] == 0 and spans[-1][1] == (min(n, seq_len) if policy == "truncate" else n)
         assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     assert packer.consumed == len(lengths) and packer.stats["bins"] == len(bins)
-    long = [n for n in lengths if n > capacity]
+    long = [n for n in lengths if n > seq_len]
     assert packer.stats["dropped_tokens"] == (sum(long) if policy == "drop" else 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=40),
+    pad=st.sampled_from([1, 2, 4]),
+    cp=st.sampled_from([1, 2]),
+)
+def test_pieces_take_their_padded_size_in_a_bin(lengths: list[int], pad: int, cp: int) -> None:
+    """Every setting comes from the `PackOptions`: each piece takes ``ceil(size / multiple) *
+    multiple`` slots of its bin, as in ``plan()``; one round (the whole stream in the buffer)
+    is that plan's bins."""
+    options = PackOptions(seq_len=16, pad_to_multiple_of=pad, cp_size=cp)
+    m = options.multiple
+    bins = list(StreamingPacker(options, buffer_size=4).pack(lengths))
+    assert all(sum(-(-(p.stop - p.start) // m) * m for p in b) <= 16 for b in bins)
+    spans = sorted((p.doc_index, p.start, p.stop) for b in bins for p in b)
+    assert spans == sorted(t for row in plan(lengths, options).bins for t in row)
+    whole = StreamingPacker(options, buffer_size=len(lengths) * 3)
+    assert (
+        triples(whole.pack(lengths)) == plan(lengths, replace(options, seed=round_seed(0, 0))).bins
+    )
+
+
+def round_seed(seed: int, k: int) -> int:
+    return int(np.random.SeedSequence([seed, k]).generate_state(1)[0])
 
 
 def test_token_arrays_are_sliced_by_pieces() -> None:
@@ -77,8 +104,8 @@ def test_token_arrays_are_sliced_by_pieces() -> None:
     rebuilt: dict[int, list[tuple[int, np.ndarray]]] = {}
     for b in StreamingPacker(16, buffer_size=8).pack(docs):
         for p in b:
-            assert p.doc is docs[p.position]
-            rebuilt.setdefault(p.position, []).append((p.start, p.doc[p.start : p.stop]))
+            assert p.doc is docs[p.doc_index]
+            rebuilt.setdefault(p.doc_index, []).append((p.start, p.doc[p.start : p.stop]))
     for i, doc in enumerate(docs):
         parts = [tokens for _, tokens in sorted(rebuilt[i], key=lambda x: x[0])]
         assert np.array_equal(np.concatenate(parts), doc)
@@ -96,7 +123,8 @@ def test_resume_equals_uninterrupted(
 ) -> None:
     def make() -> StreamingPacker:
         return StreamingPacker(
-            10, buffer_size=buffer_size, algorithm=algorithm, seed=7, search_steps=50
+            PackOptions(seq_len=10, algorithm=algorithm, seed=7, search_steps=50),
+            buffer_size=buffer_size,
         )
 
     total = len(list(make().pack(lengths)))
@@ -122,9 +150,9 @@ def test_resume_mid_round_and_after_the_end() -> None:
 
 
 def test_nothing_waits_forever() -> None:
-    # A 6 at capacity 10 among 5s never completes a bin; it must still go out within MAX_WAIT_ROUNDS.
+    # A 6 at seq_len 10 among 5s never completes a bin; it must still go out within MAX_WAIT_ROUNDS.
     bins = list(StreamingPacker(10, buffer_size=4).pack([6] + [5] * 200))
-    where = next(n for n, b in enumerate(bins) if any(p.position == 0 for p in b))
+    where = next(n for n, b in enumerate(bins) if any(p.doc_index == 0 for p in b))
     assert where < streaming_module.MAX_WAIT_ROUNDS * 2 + 2 < len(bins) - 1
 
 
@@ -132,13 +160,13 @@ def test_errors() -> None:
     with pytest.raises(ValueError, match="document 2 of the stream has 0 tokens"):
         list(StreamingPacker(5).pack([[1], [2, 3], []]))
     with pytest.raises(
-        ValueError, match="document 1 of the stream has 9 tokens, more than capacity=5"
+        ValueError, match="document 1 of the stream has 9 tokens, more than seq_len=5"
     ):
-        list(StreamingPacker(5, long_docs="error").pack([3, 9]))
+        list(StreamingPacker(PackOptions(seq_len=5, long_docs="error")).pack([3, 9]))
     with pytest.raises(ValueError, match="buffer_size must be an int >= 1"):
         StreamingPacker(5, buffer_size=0)
     with pytest.raises(ValueError, match="algorithm must be one of"):
-        StreamingPacker(5, algorithm="magic")
+        StreamingPacker(PackOptions(seq_len=5, algorithm="magic"))
     state = StreamingPacker(5, buffer_size=3).state_dict()
     with pytest.raises(
         ValueError, match="state was saved with buffer_size=3 but this packer has buffer_size=4"
@@ -161,39 +189,45 @@ def test_state_dict_records_every_setting_and_the_progress() -> None:
     assert [len(b) for b in packer.pack([4, 3, 2, 5, 1, 1])] == [1, 2, 2, 1]
     state = packer.state_dict()
     assert state["config"] == {
-        "capacity": 5, "buffer_size": 4, "algorithm": "bfd", "long_docs": "split", "seed": 0,
-        "search_steps": 1000, "balance": "token", "dp_size": 1, "micro_batches": 1,
-        "rows_per_micro_batch": 1, "balance_window": 8, "max_documents": None, "cost": None,
+        "seq_len": 5, "algorithm": "bfd", "long_docs": "split", "pad_to_multiple_of": 1,
+        "cp_size": 1, "max_documents": None, "seed": 0, "search_steps": 20_000,
+        "buffer_size": 4, "balance_window": 8, "balance": "token", "dp_size": 1,
+        "micro_batches": 1, "rows_per_micro_batch": 1, "cost": None,
     }  # fmt: skip
     assert StreamingPacker(5).state_dict()["config"]["buffer_size"] == 1000
-    assert (state["version"], state["consumed"], state["rounds"]) == (1, 6, 2)
+    assert (state["version"], state["consumed"], state["rounds"]) == (2, 6, 2)
     assert (state["buffer"], state["ready"], state["ordered"]) == ([], [], 0)
     assert state["stats"] == {
         "bins": 4, "tokens": 16, "split_docs": 0, "truncated_tokens": 0, "dropped_docs": 0,
         "dropped_tokens": 0,
     }  # fmt: skip
     cost = CostModel(a=1, b=2)
-    balanced = StreamingPacker(5, balance="compute", cost=cost, dp_size=2, balance_window=3)
+    balanced = StreamingPacker(
+        PackOptions(seq_len=5),
+        loading=LoadOptions(balance="compute", cost=cost, dp_size=2),
+        balance_window=3,
+    )
     assert {k: balanced.state_dict()["config"][k] for k in ("balance", "cost", "dp_size")} == {
         "balance": "compute", "cost": [1.0, 2.0], "dp_size": 2,
     }  # fmt: skip
-    with pytest.raises(ValueError, match=r"^state version 99 != 1$"):
+    with pytest.raises(ValueError, match=r"^state version 99 != 2$"):
         StreamingPacker(5).load_state_dict({"version": 99})
 
 
 def test_each_round_plans_with_its_own_seed() -> None:
-    """Round ``k`` of "best" plans with seed ``SeedSequence([seed, k])`` and the step budget, and
-    no time limit: one round (the whole stream fits the buffer) is that plan of the lengths."""
+    """Round ``k`` of "best" plans with seed ``SeedSequence([seed, k])`` and the step budget: one
+    round (the whole stream fits the buffer) is that plan of the lengths."""
     lengths = [18, 17, 20, 32, 33, 25, 28, 38, 25, 15, 4, 22, 10, 24, 2, 34, 37, 6, 32, 16, 2,
                36, 37, 2, 24, 33, 31, 17, 34, 33]  # fmt: skip
     for seed in (0, 5):
-        packer = StreamingPacker(64, buffer_size=100, algorithm="best", seed=seed, search_steps=300)
-        got = [[p.position for p in b] for b in packer.pack(lengths)]
+        packer = StreamingPacker(
+            PackOptions(seq_len=64, algorithm="best", seed=seed, search_steps=300), buffer_size=100
+        )
+        got = [[p.doc_index for p in b] for b in packer.pack(lengths)]
         round_seed = int(np.random.SeedSequence([seed, 0]).generate_state(1)[0])
-        want = plan(lengths, 64, algorithm="best", seed=round_seed, time_limit_s=None,
-                    max_search_steps=300)  # fmt: skip
+        want = plan(lengths, 64, algorithm="best", seed=round_seed, search_steps=300)
         assert got == [[d for d, _, _ in b] for b in want.bins]
-    assert StreamingPacker(5, search_steps=0).search_steps == 0
+    assert StreamingPacker(PackOptions(seq_len=5, search_steps=0)).packing.search_steps == 0
 
 
 def test_bins_at_least_99_percent_full_go_out_at_once() -> None:
@@ -219,11 +253,15 @@ def test_a_piece_waits_at_most_max_wait_rounds() -> None:
 
 
 def test_bad_settings_are_named() -> None:
-    for value in (True, 5.0, 0):
-        with pytest.raises(ValueError, match=f"^capacity must be an int >= 1, got {value!r}$"):
+    for value, error in ((True, TypeError), (5.0, TypeError), (0, ValueError)):
+        with pytest.raises(error, match=r"^seq_len must be an int >= 1, got (bool |float )?"):
             StreamingPacker(value)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"^StreamingPacker\(loading=\.\.\.\): expected LoadOptions"
+    ):
+        StreamingPacker(5, loading={"dp_size": 2})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^long_docs must be one of \('split', .*got 'fold'$"):
-        StreamingPacker(5, long_docs="fold")
+        StreamingPacker(PackOptions(seq_len=5, long_docs="fold"))
 
 
 def test_a_state_saved_before_ordered_existed_resumes() -> None:
@@ -232,8 +270,7 @@ def test_a_state_saved_before_ordered_existed_resumes() -> None:
     cost = CostModel(a=1, b=1)
 
     def make() -> StreamingPacker:
-        return StreamingPacker(32, buffer_size=16, balance="compute", dp_size=2, cost=cost,
-                               balance_window=2)  # fmt: skip
+        return StreamingPacker(PackOptions(seq_len=32), loading=LoadOptions(balance="compute", dp_size=2, cost=cost), buffer_size=16, balance_window=2)  # fmt: skip
 
     full = triples(make().pack(lengths))
     first = make()
@@ -252,38 +289,38 @@ def test_compute_windows_are_dealt_with_the_seed_and_the_bins_so_far() -> None:
 
     lengths = list(np.random.default_rng(4).integers(1, 30, 40))
     cost = CostModel(a=1, b=1)
-    layout = {"dp_size": 2, "micro_batches": 2, "rows_per_micro_batch": 1}
-    plain = StreamingPacker(32, buffer_size=100, **layout, cost=cost)
+    deal = LoadOptions(balance="compute", cost=cost, dp_size=2, micro_batches=2)
+    plain = StreamingPacker(32, buffer_size=100)
     window = list(plain.pack(lengths))  # one round, fewer bins than one window of 8 x 4
     for seed in (0, 3):
-        packer = StreamingPacker(32, buffer_size=100, balance="compute", seed=seed, **layout,
-                                 cost=cost)  # fmt: skip
+        packer = StreamingPacker(PackOptions(seq_len=32, seed=seed), loading=deal, buffer_size=100)
         costs = np.array([cost.row_cost([p.stop - p.start for p in b]) for b in window])
-        order = compute_order(np.arange(len(window)), costs, **layout, seed=(seed, 0))
+        order = compute_order(np.arange(len(window)), costs, deal, seed=(seed, 0))
         assert triples(packer.pack(lengths)) == triples([window[i] for i in order])
 
 
-def test_each_round_calls_plan_with_its_seed_budget_and_no_time_limit(
+def test_each_round_calls_plan_with_its_seed_and_the_options(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The module's determinism promise, checked where it is made: round ``k`` plans its pieces
-    with ``algorithm``, seed ``SeedSequence([seed, k])``, the step budget, no time limit, and
-    "error" for long pieces (they were cut to the capacity on the way in)."""
-    calls: list[dict] = []
+    with the packer's options but seed ``SeedSequence([seed, k])`` and "error" for long pieces
+    (they were cut to the seq_len on the way in)."""
+    calls: list[PackOptions] = []
     real = streaming_module.plan
 
-    def spy(lengths: object, capacity: int, **kw: object) -> object:
-        calls.append(kw)
-        return real(lengths, capacity, **kw)
+    def spy(lengths: object, packing: PackOptions, **kw: object) -> object:
+        assert not kw
+        calls.append(packing)
+        return real(lengths, packing)  # type: ignore[arg-type]
 
     monkeypatch.setattr(streaming_module, "plan", spy)
-    packer = StreamingPacker(10, buffer_size=3, algorithm="best", seed=7, search_steps=40)
+    options = PackOptions(seq_len=10, algorithm="best", seed=7, search_steps=40, max_documents=3)
+    packer = StreamingPacker(options, buffer_size=3)
     list(packer.pack([4, 3, 12, 5, 6, 2, 2]))
     assert len(calls) == packer.rounds >= 3
-    for k, kw in enumerate(calls):
+    for k, packing in enumerate(calls):
         seed = int(np.random.SeedSequence([7, k]).generate_state(1)[0])
-        assert kw == {"algorithm": "best", "long_docs": "error", "seed": seed,
-                      "time_limit_s": None, "max_search_steps": 40, "max_documents": None}  # fmt: skip
+        assert packing == replace(options, long_docs="error", seed=seed)
 
 
 def saved_mid_stream() -> tuple[StreamingPacker, dict]:
@@ -322,11 +359,11 @@ def test_streaming_resume_refuses_a_state_missing_a_key_on_load(key: str) -> Non
         (lambda s: s["buffer"].__setitem__(0, [1, 2, 3]), TypeError, r"state\['buffer'\]\[0\] must be a pair \(piece, round\)"),
         (lambda s: s["buffer"][0].__setitem__(1, 99), ValueError, r"state\['buffer'\]\[0\]\[1\]=99: a piece arrived in round 99 but the state has planned only \d+ rounds"),
         (lambda s: s["buffer"][0][0].__setitem__(0, 10_000), ValueError, r"state\['buffer'\]\[0\]\[0\] is of document 10000, but the state has read only \d+ documents"),
-        (lambda s: s["ready"][0][0].__setitem__(2, 99), ValueError, r"state\['ready'\]\[0\]\[0\] holds tokens 0:99; a piece holds 1 to capacity=32 tokens"),
+        (lambda s: s["ready"][0][0].__setitem__(2, 99), ValueError, r"state\['ready'\]\[0\]\[0\] holds tokens 0:99; a piece holds 1 to seq_len=32 tokens"),
         (lambda s: s["ready"][0][0].__setitem__(1, -1), ValueError, r"state\['ready'\]\[0\]\[0\]\[1\] must be an int >= 0, got -1"),
         (lambda s: s["ready"].__setitem__(0, []), TypeError, r"state\['ready'\]\[0\] must be a non-empty list of pieces"),
-        (lambda s: s["ready"][0].__setitem__(0, [1, 2]), TypeError, r"state\['ready'\]\[0\]\[0\] must be a piece \(position, start, stop, doc\)"),
-        (lambda s: s["config"].pop("capacity"), ValueError, r"state was saved with capacity=None but this packer has capacity=32"),
+        (lambda s: s["ready"][0].__setitem__(0, [1, 2]), TypeError, r"state\['ready'\]\[0\]\[0\] must be a piece \(doc_index, start, stop, doc\)"),
+        (lambda s: s["config"].pop("seq_len"), ValueError, r"state was saved with seq_len=None but this packer has seq_len=32"),
     ],
 )  # fmt: skip
 def test_streaming_resume_refuses_a_malformed_state_on_load(

@@ -11,24 +11,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megapack.packing import CostModel, StreamingPacker
+from megapack.packing import CostModel, LoadOptions, PackOptions, StreamingPacker
 from megapack.packing.balance import imbalance
 
 SQUARES = CostModel(a=1.0, b=1.0)
 
 
 def triples(bins: object) -> list[tuple[tuple[int, int, int], ...]]:
-    return [tuple((p.position, p.start, p.stop) for p in b) for b in bins]  # type: ignore[attr-defined]
+    return [tuple((p.doc_index, p.start, p.stop) for p in b) for b in bins]  # type: ignore[attr-defined]
 
 
 WINDOW = 2
 
 
 def make(dp: int, m: int, r: int, balance: str = "compute") -> StreamingPacker:
-    return StreamingPacker(
-        32, buffer_size=16, balance=balance, dp_size=dp, micro_batches=m,
-        rows_per_micro_batch=r, cost=SQUARES, balance_window=WINDOW,
-    )  # fmt: skip
+    return StreamingPacker(PackOptions(seq_len=32), loading=LoadOptions(balance=balance, dp_size=dp, micro_batches=m, rows_per_micro_batch=r, cost=SQUARES), buffer_size=16, balance_window=WINDOW)  # fmt: skip
 
 
 @settings(max_examples=40, deadline=None)
@@ -49,9 +46,9 @@ def test_balance_streaming_same_bins_better_balance_resumable(
     for lo in range(0, len(token), group):  # re-formed within each window only
         assert Counter(compute[lo : lo + group]) == Counter(token[lo : lo + group])
     costs = {b: SQUARES.row_cost([c - a for _, a, c in b]) for b in token}
-    layout = {"dp_size": dp, "micro_batches": m, "rows_per_micro_batch": r}
-    i_token = imbalance(np.arange(len(token)), np.array([costs[b] for b in token]), **layout)
-    i_compute = imbalance(np.arange(len(compute)), np.array([costs[b] for b in compute]), **layout)
+    deal = LoadOptions(dp_size=dp, micro_batches=m, rows_per_micro_batch=r)
+    i_token = imbalance(np.arange(len(token)), np.array([costs[b] for b in token]), deal)
+    i_compute = imbalance(np.arange(len(compute)), np.array([costs[b] for b in compute]), deal)
     assert i_compute <= i_token + 1e-9
     # stop after `stop` bins, resume in a new packer: the same stream
     first = make(dp, m, r)
@@ -71,10 +68,10 @@ def test_balance_streaming_settings_must_match_on_resume() -> None:
 
 def test_balance_streaming_bad_arguments() -> None:
     with pytest.raises(TypeError, match="needs cost=CostModel"):
-        StreamingPacker(32, balance="compute")
+        StreamingPacker(PackOptions(seq_len=32), loading=LoadOptions(balance="compute"))
     with pytest.raises(ValueError, match="balance must be one of"):
-        StreamingPacker(32, balance="flops")
-    with pytest.raises(ValueError, match="balance_window must be an int >= 1"):
+        StreamingPacker(PackOptions(seq_len=32), loading=LoadOptions(balance="flops"))
+    with pytest.raises(ValueError, match=r"^balance_window must be an int >= 1, got 0$"):
         StreamingPacker(32, balance_window=0)
 
 
@@ -86,8 +83,8 @@ def test_balance_streaming_openchat_window() -> None:
     layout = {"dp_size": 8, "micro_batches": 4}
     result = {}
     for mode in ("token", "compute"):
-        packer = StreamingPacker(2048, balance=mode, **layout, cost=cost)
-        bins = list(packer.pack(lengths))
+        deal = LoadOptions(balance=mode, cost=cost, **layout)
+        bins = list(StreamingPacker(2048, loading=deal).pack(lengths))
         costs = np.array([cost.row_cost([p.stop - p.start for p in b]) for b in bins])
-        result[mode] = imbalance(np.arange(len(bins)), costs, **layout)
+        result[mode] = imbalance(np.arange(len(bins)), costs, deal)
     assert result["compute"] < 1.01 < result["token"], result

@@ -365,7 +365,7 @@ def test_resume_fingerprint_refuses_another_dataset_with_the_same_rows_and_seed(
     ]
     other = PackedDataset(other_docs, seq_len=SEQ, rows_per_micro_batch=ROWS, dp_size=2,
                           micro_batches=GLOBAL // 2)  # fmt: skip
-    assert other.meta["rows"] == state["rows"] and other.meta["seed"] == state["seed"]
+    assert other.meta["rows"] == state["rows"] and other.packing.seed == state["seed"]
     mine = other.meta["fingerprint"]
     assert mine != state["fingerprint"]
     with pytest.raises(ValueError, match=rf"the checkpoint's dataset has fingerprint="

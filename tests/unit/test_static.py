@@ -20,7 +20,7 @@ from megapack.core.loss_fields import segment_trained, step_loss_fields
 from megapack.core.static import pad_static, segments_for, static_batch
 from megapack.data import Document, PackedDataset
 from megapack.megatron import normalized_loss
-from megapack.packing import StreamingPacker, plan
+from megapack.packing import PackOptions, StreamingPacker, plan
 from megapack.testing.host_reads import host_reads
 
 CPU = megapack.Topology.single(torch.device("cpu"))
@@ -183,13 +183,13 @@ def test_static_packers_cap_documents_per_row(tmp_path: Path) -> None:
     assert capped.num_bins >= free.num_bins and all(
         sum(e - s for _, s, e in b) <= 2048 for b in capped.bins
     )
-    packer = StreamingPacker(2048, buffer_size=500, max_documents=12)
+    packer = StreamingPacker(PackOptions(seq_len=2048, max_documents=12), buffer_size=500)
     bins = list(packer.pack(lengths.tolist()))
     assert max(len(b) for b in bins) <= 12 and sum(len(b) for b in bins) == len(lengths)
     assert packer.state_dict()["config"]["max_documents"] == 12
     ds = PackedDataset(_docs(4, 300), seq_len=64, max_documents=3)
     assert all(len(ds[i].cu_seqlens) - 1 <= 3 + 1 for i in range(len(ds)))  # + a padding segment
-    assert ds.meta["max_documents"] == 3
+    assert ds.packing.max_documents == 3
 
 
 def test_static_cli_caps_and_stats_suggests_a_cap(
@@ -209,8 +209,8 @@ def test_static_cli_caps_and_stats_suggests_a_cap(
                 str(src),
                 "--seq-len",
                 "256",
-                "--time-limit",
-                "0.2",
+                "--search-steps",
+                "600",
                 "--json",
                 str(tmp_path / "s.json"),
             ]
@@ -239,6 +239,7 @@ def test_static_cli_caps_and_stats_suggests_a_cap(
         == 0
     )
     meta = json.loads((tmp_path / "p" / "meta.json").read_text())
-    assert meta["max_documents"] == cap and meta["rows"] == figures["rows_at_suggested_cap"]
+    assert meta["packing"]["max_documents"] == cap
+    assert meta["rows"] == figures["rows_at_suggested_cap"]
     loaded = PackedDataset.load(tmp_path / "p")
     assert max(len(loaded[i].cu_seqlens) for i in range(len(loaded))) <= cap + 2

@@ -16,7 +16,7 @@ import torch
 from megapack.core.batch import PackedBatch
 from megapack.core.errors import CollectiveError
 from megapack.core.fields import BatchField, Stage, schema_of
-from megapack.core.normalize import Batch, Layout, normalize
+from megapack.core.intake import Batch, BatchForm, to_batch
 from megapack.delivery import transport as transport_module
 from megapack.delivery.link import SHARED_OK, LocalLink
 from megapack.delivery.transport import (
@@ -96,7 +96,7 @@ def topology(group: Any, tp_rank: int = 0, device: str = "cpu") -> Topology:
 
 def frame(stage: Stage = Stage.ONLY) -> tuple[Header, list[torch.Tensor], bytes]:
     """A worked example's header and pieces (documents 3, 2, 4), and its payload's bytes."""
-    header, pieces = encode(normalize(PackedBatch.from_documents([[5, 6, 7], [8, 9], [1, 2, 3, 4]]),
+    header, pieces = encode(to_batch(PackedBatch.from_documents([[5, 6, 7], [8, 9], [1, 2, 3, 4]]),
                                       SCHEMA), SCHEMA, stage)  # fmt: skip
     return header, pieces, bytes(payload_of(pieces, header.nbytes, CPU).numpy())
 
@@ -214,9 +214,9 @@ def test_a_link_carries_header_and_payload_in_one_frame(
     receiver = LinkTransport(peer_link, "frame", "why")
     schema = schema_of((BatchField("x", "sample", torch.float32, "all"),))
     item = PackedBatch.from_documents([[1, 2, 3]])
-    values = dict(normalize(item, SCHEMA).values) | {"x": torch.arange(20_000.0)[None] if large
+    values = dict(to_batch(item, SCHEMA).values) | {"x": torch.arange(20_000.0)[None] if large
                                                          else torch.tensor([1.5])}  # fmt: skip
-    header, pieces = encode(Batch(Layout.PACKED, values), schema, Stage.ONLY)
+    header, pieces = encode(Batch(BatchForm.PACKED, values), schema, Stage.ONLY)
     sent = sender.send(header, pieces, 5)
     want = bytes(payload_of(pieces, header.nbytes, CPU).numpy())
     assert bytes(sent.numpy()) == want

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from megapack import BatchField, PackedBatch
 from megapack.core.errors import ProtocolError
 from megapack.core.fields import BUILTIN_FIELDS, OUTPUT_KEYS, Stage, schema_of
-from megapack.core.normalize import Batch, Layout, normalize
+from megapack.core.intake import Batch, BatchForm, to_batch
 from megapack.delivery.wire import (
     MAGIC,
     Header,
@@ -43,7 +43,7 @@ def sample() -> PackedBatch:
 
 
 def roundtrip(item: object, stage: Stage, schema=SCHEMA) -> tuple[Header, torch.Tensor, dict]:  # type: ignore[no-untyped-def]
-    header, pieces = encode(normalize(item, schema), schema, stage)
+    header, pieces = encode(to_batch(item, schema), schema, stage)
     payload = payload_of(pieces, header.nbytes, CPU)
     again = Header.from_bytes(header.to_bytes())  # what a peer parses
     assert again == header
@@ -100,7 +100,7 @@ def test_header_layout_is_int64_slots_and_its_size_follows_the_schema() -> None:
     assert header_bytes(SCHEMA) == 8 * (6 + 7 * 10) == 608
     header, _, _ = roundtrip(sample(), Stage.FIRST)
     slots = struct.unpack(f"={608 // 8}q", header.to_bytes())
-    assert slots[:6] == (MAGIC, 0, 1, int(Layout.PACKED), SCHEMA.key, header.nbytes)
+    assert slots[:6] == (MAGIC, 0, 1, int(BatchForm.PACKED), SCHEMA.key, header.nbytes)
     tokens, labels, max_seqlen = slots[6:13], slots[6 + 14 : 6 + 21], slots[6 + 56 : 6 + 63]
     assert tokens == (2, 1, 9, 0, 0, 0, 0)  # ndim 2, dims [1, 9]
     assert labels[0] == -1  # the first stage does not get labels
@@ -125,7 +125,7 @@ def test_header_layout_is_int64_slots_and_its_size_follows_the_schema() -> None:
 )
 def test_header_roundtrips(status: Status, stage: Stage, dims: list) -> None:
     h = Header(
-        status=status, stage=stage, layout=Layout.PLAIN, key=123, nbytes=99, dims=tuple(dims)
+        status=status, stage=stage, form=BatchForm.PLAIN, key=123, nbytes=99, dims=tuple(dims)
     )
     assert Header.from_bytes(h.to_bytes()) == h
 
@@ -171,10 +171,10 @@ def test_declared_fields_roundtrip_bit_exact_in_their_dtypes() -> None:
     item = sample()
     logp = torch.randn(1, 9).to(torch.bfloat16)
     logp[0, 3] = float("nan")
-    values = dict(normalize(item, SCHEMA).values)
+    values = dict(to_batch(item, SCHEMA).values)
     values |= {"logp": logp, "weight": torch.tensor([-0.0], dtype=torch.float16),
                "grid_thw": torch.tensor([[1, 2, 2], [1, 4, 4]], dtype=torch.int32)}  # fmt: skip
-    header, pieces = encode(Batch(Layout.PACKED, values), schema, Stage.ONLY)
+    header, pieces = encode(Batch(BatchForm.PACKED, values), schema, Stage.ONLY)
     out = decode(
         Header.from_bytes(header.to_bytes()), payload_of(pieces, header.nbytes, CPU), schema
     )
@@ -182,7 +182,7 @@ def test_declared_fields_roundtrip_bit_exact_in_their_dtypes() -> None:
     assert torch.equal(out["logp"].view(torch.int16), logp.view(torch.int16))  # NaN included
     assert out["weight"].view(torch.int16).tolist() == [np.float16(-0.0).view(np.int16)]
     assert out["grid_thw"].tolist() == [[1, 2, 2], [1, 4, 4]]
-    h, p = encode(Batch(Layout.PACKED, values), schema, Stage.FIRST)
+    h, p = encode(Batch(BatchForm.PACKED, values), schema, Stage.FIRST)
     first = decode(h, payload_of(p, h.nbytes, CPU), schema)
     assert first["logp"] is None and first["grid_thw"] is not None and first["weight"] is not None
 
@@ -208,8 +208,8 @@ def test_the_worked_example_header_slot_by_slot() -> None:
 
 def test_a_stop_or_an_error_header_carries_no_field_and_the_messages_size() -> None:
     stop = signal(Status.STOP, Stage.LAST, SCHEMA)
-    assert (stop.status, stop.stage, stop.layout, stop.key, stop.nbytes) == (
-        Status.STOP, Stage.LAST, Layout.PACKED, SCHEMA.key, 0,
+    assert (stop.status, stop.stage, stop.form, stop.key, stop.nbytes) == (
+        Status.STOP, Stage.LAST, BatchForm.PACKED, SCHEMA.key, 0,
     )  # fmt: skip
     assert stop.dims == (None,) * 10
     error = signal(Status.ERROR, Stage.FIRST, SCHEMA, 12)
@@ -243,29 +243,27 @@ def test_the_magic_number_refusal_in_full() -> None:
 
 
 @pytest.mark.parametrize(
-    ("status", "stage", "layout"),
+    ("status", "stage", "form"),
     [(3, 0, 0), (-1, 0, 0), (0, 5, 1), (0, -1, 0), (1, 4, 2), (2, 0, -1)],
 )
-def test_a_header_out_of_range_is_refused_naming_status_stage_and_layout(
-    status: int, stage: int, layout: int
+def test_a_header_out_of_range_is_refused_naming_status_stage_and_form(
+    status: int, stage: int, form: int
 ) -> None:
     raw = bytearray(signal(Status.OK, Stage.ONLY, SCHEMA).to_bytes())
-    raw[8:32] = struct.pack("=3q", status, stage, layout)
+    raw[8:32] = struct.pack("=3q", status, stage, form)
     with pytest.raises(ProtocolError) as info:
         Header.from_bytes(bytes(raw))
-    assert str(info.value) == (
-        f"megapack header has status {status}, stage {stage}, layout {layout}"
-    )
+    assert str(info.value) == (f"megapack header has status {status}, stage {stage}, form {form}")
 
 
-def test_the_last_stage_code_and_every_status_and_layout_are_accepted() -> None:
+def test_the_last_stage_code_and_every_status_and_form_are_accepted() -> None:
     for code, stage in enumerate(Stage):
         for status in Status:
-            for layout in Layout:
+            for form in BatchForm:
                 raw = bytearray(signal(Status.OK, Stage.ONLY, SCHEMA).to_bytes())
-                raw[8:32] = struct.pack("=3q", status, code, layout)
+                raw[8:32] = struct.pack("=3q", status, code, form)
                 h = Header.from_bytes(bytes(raw))
-                assert (h.status, h.stage, h.layout) == (status, stage, layout)
+                assert (h.status, h.stage, h.form) == (status, stage, form)
 
 
 @settings(max_examples=40, deadline=None)
@@ -294,8 +292,8 @@ def test_decode_refuses_a_header_of_another_field_count() -> None:
 
 def test_packed_seq_params_carry_padded_boundaries_maxima_cp_group_and_local_cp_size() -> None:
     item = PackedBatch.from_documents([[5, 6, 7], [8, 9], [1, 2, 3, 4]], pad_to_multiple_of=4)
-    values = dict(normalize(item, SCHEMA).values) | {"local_cp_size": 2}
-    header, pieces = encode(Batch(Layout.PACKED, values), SCHEMA, Stage.MIDDLE)
+    values = dict(to_batch(item, SCHEMA).values) | {"local_cp_size": 2}
+    header, pieces = encode(Batch(BatchForm.PACKED, values), SCHEMA, Stage.MIDDLE)
     group = object()  # what a CP process group is to decode: passed through untouched
     out = decode(Header.from_bytes(header.to_bytes()), payload_of(pieces, header.nbytes, CPU),
                  SCHEMA, cp_group=group)  # fmt: skip
@@ -355,10 +353,10 @@ def test_device_pieces_are_concatenated_on_the_device_with_the_host_layout() -> 
     fields = (BatchField("logp", "token", torch.bfloat16, "last", at="label"),
               BatchField("n", "sample", torch.int8, "all"))  # fmt: skip
     schema = schema_of(fields)
-    values = dict(normalize(sample(), SCHEMA).values)
+    values = dict(to_batch(sample(), SCHEMA).values)
     values |= {"logp": torch.linspace(-1, 1, 9).reshape(1, 9).to(torch.bfloat16),
                "n": torch.tensor([3, -1, 7], dtype=torch.int8)}  # fmt: skip
-    header, pieces = encode(Batch(Layout.PACKED, values), schema, Stage.ONLY)
+    header, pieces = encode(Batch(BatchForm.PACKED, values), schema, Stage.ONLY)
     host = payload_of(pieces, header.nbytes, CPU)
     Elsewhere.calls = []
     device = payload_of([p.as_subclass(Elsewhere) for p in pieces], header.nbytes, CPU)
@@ -386,7 +384,7 @@ def test_host_pieces_for_a_device_go_by_one_pinned_non_blocking_copy(
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: Pinned(self))
     meta = torch.device("meta")
-    header, pieces = encode(normalize(sample(), SCHEMA), SCHEMA, Stage.LAST)
+    header, pieces = encode(to_batch(sample(), SCHEMA), SCHEMA, Stage.LAST)
     out = payload_of(pieces, header.nbytes, meta)
     assert out.device == meta and out.numel() == header.nbytes
     assert copies == [(bytes(payload_of(pieces, header.nbytes, CPU).numpy()), meta, True)]

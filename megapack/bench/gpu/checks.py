@@ -134,7 +134,7 @@ def attention_checks(
     max_len: int,
 ) -> list[Check]:
     """One check per backend of `megapack.attention.BACKENDS`, plus which one "auto" picks."""
-    from megapack.attention import BACKENDS, backend_available, choose_backend, packed_attention
+    from megapack.attention import BACKENDS, backend_available, packed_attention, resolve_backend
     from megapack.attention.choice import Installed, refusal
 
     checks = []
@@ -168,12 +168,12 @@ def attention_checks(
                 backward=training,
             )
         )
-    auto = choose_backend(device, dtype, training=True)
+    auto = resolve_backend("auto", device, training=True, dtype=dtype)
     checks.append(
         Check(
             name=f"attention: auto on {device.type}, {dtype_name(dtype)}",
             status="info",
-            detail=f"choose_backend picks {auto!r} for training",
+            detail=f"resolve_backend('auto') picks {auto!r} for training",
         )
     )
     checks.append(capture_token_check(device))
@@ -304,7 +304,7 @@ def packed_vs_padded(
 ) -> Check:
     """Per-token losses of one packed THD row == those of the documents padded to their longest."""
     from megapack import PackedBatch, Topology, get_batch_on_this_tp_rank
-    from megapack.bench.layouts import micro_batches
+    from megapack.bench.modes import micro_batches
 
     tolerance = LOSS_TOLERANCE[dtype]
     rng = np.random.default_rng(seed)

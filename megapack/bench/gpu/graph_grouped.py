@@ -7,7 +7,7 @@ while grouped micro-batches change shape with the lengths they meet (a graph per
 best) and run eagerly. `packed_graph_vs_grouped` times one step over the same documents three
 ways:
 
-    grouped eager       `megapack.bench.layouts.micro_batches("grouped", ...)`: the documents
+    grouped eager       `megapack.bench.modes.micro_batches("grouped", ...)`: the documents
                         sorted by length, each micro-batch filling packing's token budget padded
                         to its longest; megatron-core's schedule, the per-token division on the
                         device, clip_grad_norm_, AdamW (foreach, float learning rate)
@@ -55,7 +55,7 @@ def packed_graph_vs_grouped(
 ) -> list[Check]:
     """The three timings of the module docstring; ``steps`` timed steps each after warm-up."""
     from megapack import StaticShape, Topology, get_batch_on_this_tp_rank
-    from megapack.bench.layouts import micro_batches
+    from megapack.bench.modes import micro_batches
     from megapack.core.batch import PackedBatch
     from megapack.core.static import segments_for
     from megapack.packing import plan
@@ -104,7 +104,7 @@ def packed_graph_vs_grouped(
             Check(
                 name=f"{name}: captured",
                 status="skipped",
-                detail="capture needs CUDA (torch.cuda.graph); the eager layouts ran here",
+                detail="capture needs CUDA (torch.cuda.graph); the eager modes ran here",
             ),
         ]
     t_graph = _times(lambda: graph(packed), device, steps, WARMUP + 1)

@@ -16,7 +16,7 @@ attention,throughput``; all of them by default):
     prefetch, a packed fwd+bwd, whole training steps (schedule, prefetch, optimizer; aligned
     padding too) and every backend that trains in bf16 (`syncs`); the 0-sync target;
 ``throughput``
-    the bf16 matmul rate, then packing against every baseline of `megapack.bench.layouts`,
+    the bf16 matmul rate, then packing against every baseline of `megapack.bench.modes`,
     interleaved step by step (`megapack.bench.gpu.throughput`, summarized by
     `megapack.bench.baselines`), MFU against the device's bf16 peak; the throughput targets;
 ``profile``

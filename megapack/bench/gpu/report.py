@@ -86,7 +86,7 @@ class Report:
     checks: list[Check] = field(default_factory=list)
     throughput: list[dict[str, Any]] = field(default_factory=list)
     details: list[dict[str, Any]] = field(default_factory=list)
-    """Per-mode throughput rows (`megapack.bench.gpu.run_gpu_throughput`), markdown only."""
+    """Per-mode throughput rows (`megapack.bench.gpu.throughput.run_gpu_throughput`), markdown only."""
     profile: list[dict[str, Any]] = field(default_factory=list)
     """One profiled step per mode (`PROFILE_KEYS`)."""
 

@@ -27,7 +27,7 @@ from megapack.bench.gpu.syncs import (
 )
 from megapack.bench.gpu.targets import target_checks
 from megapack.bench.gpu.throughput import run_gpu_throughput, train_step
-from megapack.bench.layouts import FULL_MODES, MODES
+from megapack.bench.modes import FULL_MODES, MODES
 from megapack.bench.report import environment
 
 
@@ -155,7 +155,7 @@ def sync_step(
 ) -> list[Check]:
     import numpy as np
 
-    from megapack.bench.layouts import micro_batches
+    from megapack.bench.modes import micro_batches
 
     rng = np.random.default_rng(seed)
     docs = [rng.integers(1, sizes.shape.vocab_size, n) for n in lengths]
@@ -270,7 +270,7 @@ def profile_modes(
 
     from megapack import Topology
     from megapack.bench.gpu.profile import profile_step
-    from megapack.bench.layouts import micro_batches, plan_step, timed
+    from megapack.bench.modes import micro_batches, plan_step, timed
     from megapack.harness.gpt import forward_step
 
     seq_len, rows = sizes.throughput.seq_lens[0], sizes.throughput.rows
@@ -351,11 +351,11 @@ def graph_step(
 def auto_backend(device: torch.device, dtype: torch.dtype, backend: str = "auto") -> str:
     """The backend a model trains with here (what the loss checks run): ``backend`` itself, or
     what "auto" chooses."""
-    from megapack.attention import choose_backend
+    from megapack.attention import resolve_backend
 
     if backend != "auto":
         return f"attention {backend} (--backend)"
-    return f"attention {choose_backend(device, dtype, training=True)}"
+    return f"attention {resolve_backend('auto', device, training=True, dtype=dtype)}"
 
 
 def openchat_lengths() -> list[int]:

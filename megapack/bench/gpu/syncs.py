@@ -56,7 +56,7 @@ def sync_checks(
     every attention backend).
     """
     from megapack import Topology, get_batch_on_this_tp_rank, prefetch
-    from megapack.megatron.loss import masked_mean_loss
+    from megapack.megatron.loss import normalized_loss
 
     if len(batches) < 8:
         raise ValueError(f"sync_checks needs at least 8 micro-batches, got {len(batches)}")
@@ -66,7 +66,9 @@ def sync_checks(
 
     def train_step(batch: dict[str, Any]) -> None:
         out = forward(model, batch)
-        loss, _ = masked_mean_loss(batch["loss_mask"], out)
+        loss, _ = normalized_loss(
+            batch, out, mode="micro_batch_mean", calculate_per_token_loss=False
+        )
         loss.backward()
 
     checks = [positive_control(device, guard)]
@@ -197,12 +199,14 @@ def _whole_step(model: Any, topology: Any, batches: list[Any]) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megapack import prefetch
-    from megapack.megatron.loss import masked_mean_loss
+    from megapack.megatron.loss import normalized_loss
 
     def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
         batch = next(data_iterator)
         out = forward(model, batch)
-        return out, functools.partial(masked_mean_loss, batch["loss_mask"])
+        return out, functools.partial(
+            normalized_loss, batch, mode="micro_batch_mean", calculate_per_token_loss=False
+        )
 
     # lr 0: runs the update's kernels, moves nothing
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)

@@ -13,7 +13,7 @@ from typing import Any
 from megapack.bench.baselines import NOISY
 from megapack.bench.gpu.report import Check, Status
 from megapack.bench.gpu.throughput import MIXES
-from megapack.bench.layouts import LABELS
+from megapack.bench.modes import LABELS
 
 TARGETS = {
     "of_ideal": 0.97,

@@ -10,7 +10,7 @@ through ``Float16Module``, the kit's ``--backend`` for THD attention) with megat
 
 Per (sequence length, length mix): a step as a real run has it, ``step_tokens / (rows x seq)``
 packed micro-batches from a plan over the mix's ``pool`` documents
-(`megapack.bench.layouts.plan_step`), laid out in every mode of `megapack.bench.layouts` (packed,
+(`megapack.bench.modes.plan_step`), laid out in every mode of `megapack.bench.modes` (packed,
 padded to seq, length-grouped with the step sorted once and packing's token budget, the ceiling of
 one document per row on packing's THD path, the weak "padded to the longest"); packed, grouped and
 the ceiling run every micro-batch of the step, the two padded context baselines as many as packing
@@ -42,10 +42,10 @@ import torch
 from megapack.bench.baselines import interleave
 from megapack.bench.gpu.compile_failure import compile_failure
 from megapack.bench.gpu.model import GptShape
-from megapack.bench.layouts import (
+from megapack.bench.modes import (
     MODES,
-    layout_cost,
     micro_batches,
+    mode_cost,
     plan_step,
     schedule_shape,
     timed,
@@ -148,19 +148,19 @@ def run_gpu_throughput(
             step = plan_step(mixes[mix], seq_len, sizes.rows, window, seed=seed)
             rng = np.random.default_rng(seed)
             docs = [rng.integers(1, shape.vocab_size, n) for n in step.lengths]
-            layouts = {
+            by_mode = {
                 m: micro_batches(m, docs, seq_len, sizes.rows, packing=step.packing) for m in modes
             }
-            ran = {m: timed(m, b, window) for m, b in layouts.items()}
+            ran = {m: timed(m, b, window) for m, b in by_mode.items()}
             rows = {
-                m: _row(m, mix, seq_len, step, layouts[m], ran[m], shape, sizes.rows, window)
+                m: _row(m, mix, seq_len, step, by_mode[m], ran[m], shape, sizes.rows, window)
                 for m in modes
             }
             estimate = (
                 1.5
                 * (sizes.warmup + sizes.steps)
                 * sum(
-                    step_estimate(measured.get((mix, m)), seq_len, layout_cost(b).slots, per_slot)
+                    step_estimate(measured.get((mix, m)), seq_len, mode_cost(b).slots, per_slot)
                     for m, b in ran.items()
                 )
             )
@@ -194,7 +194,7 @@ def run_gpu_throughput(
                     out.append(row | {"status": "error", "detail": errors[mode]})
                 else:
                     step_s = statistics.median(times[mode])
-                    slots = layout_cost(ran[mode]).slots
+                    slots = mode_cost(ran[mode]).slots
                     per_slot.append(step_s / slots)
                     measured[(mix, mode)] = (seq_len, slots, step_s)
                     out.append(
@@ -227,15 +227,15 @@ def _row(
         "seq_len": seq_len,
         "mix": mix,
         "mode": mode,
-        "slots": layout_cost(batches).slots,
+        "slots": mode_cost(batches).slots,
         "tokens": sum(step.lengths),
         "useful_flops": shape.training_flops(step.lengths),
-        "executed_flops": layout_cost(batches).executed_flops(shape),
+        "executed_flops": mode_cost(batches).executed_flops(shape),
         "micro_batches": len(batches),
         "timed_micro_batches": len(ran),
         "timed_tokens": sum(lengths),
         "timed_useful_flops": shape.training_flops(lengths),
-        "timed_executed_flops": layout_cost(ran).executed_flops(shape),
+        "timed_executed_flops": mode_cost(ran).executed_flops(shape),
         "documents": len(step.lengths),
         "pool": step.pool_size,
         "fill": step.fill(seq_len),
@@ -264,7 +264,7 @@ def train_step(
     device: torch.device,
 ) -> float:
     """Seconds of one training step: the schedule over ``batches`` (its shapes from the first,
-    `megapack.bench.layouts.schedule_shape`; megatron-core reads every micro-batch's own with
+    `megapack.bench.modes.schedule_shape`; megatron-core reads every micro-batch's own with
     ``variable_seq_lengths``), then SGD, between two device synchronizations."""
     size, width = schedule_shape(batches[0])
     _synchronize(device)

@@ -645,16 +645,20 @@ def test_batches_travel_on_their_own_stream(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.parametrize("depth", [0, -1, True, "2", 1.0])
 def test_depth_is_checked(depth: Any) -> None:
-    with pytest.raises(ValueError) as info:
+    wrong_type = not isinstance(depth, int) or isinstance(depth, bool)
+    with pytest.raises(TypeError if wrong_type else ValueError) as info:
         prefetch(iter([]), topology=SINGLE, depth=depth)
-    assert str(info.value) == f"prefetch depth must be an int >= 1, got {depth!r}"
+    got = f"{type(depth).__name__} {depth!r}" if wrong_type else repr(depth)
+    assert str(info.value) == f"prefetch depth must be an int >= 1, got {got}"
 
 
 @pytest.mark.parametrize("nice", [-1, 20, True, 2.5, "3"])
 def test_nice_is_checked(nice: Any) -> None:
-    with pytest.raises(ValueError) as info:
+    wrong_type = not isinstance(nice, int) or isinstance(nice, bool)
+    with pytest.raises(TypeError if wrong_type else ValueError) as info:
         prefetch(iter([]), topology=SINGLE, nice=nice)
-    assert str(info.value) == f"prefetch nice must be an int from 0 to 19, got {nice!r}"
+    got = f"{type(nice).__name__} {nice!r}" if wrong_type else repr(nice)
+    assert str(info.value) == f"prefetch nice must be an int from 0 to 19, got {got}"
 
 
 def test_unknown_options_are_listed() -> None:

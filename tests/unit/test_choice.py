@@ -21,9 +21,9 @@ from megapack.attention.choice import (
     BACKENDS,
     Installed,
     choose,
-    choose_backend,
     preference,
     refusal,
+    resolve_backend,
 )
 from megapack.attention.varlen import VarlenForm
 
@@ -108,12 +108,23 @@ def test_varlen_choice_is_logged_once(
     choice._log_choice.cache_clear()
     with caplog.at_level(logging.INFO, logger="megapack.attention"):
         for _ in range(3):
-            assert choose_backend("cuda", BF16, training=True) == "torch_varlen"
+            assert resolve_backend("auto", "cuda", training=True, dtype=BF16) == "torch_varlen"
     messages = [r.getMessage() for r in caplog.records if r.name == "megapack.attention"]
     assert messages == [
         "attention backend torch_varlen for cuda bfloat16 training (flash_attn not installed, "
         "te not installed; varlen_attn without enable_gqa: K/V heads repeated)"
     ]
+
+
+def test_varlen_auto_never_picks_an_excluded_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(choice, "_installed", lambda: have())
+    monkeypatch.setattr(choice, "_failed", {})
+    assert resolve_backend("auto", "cpu", training=True) == "bucketed"
+    cp = choice.NO_CONTEXT_PARALLEL
+    assert resolve_backend("auto", "cpu", training=True, excluded=cp) == "sdpa"
+    varlen = frozenset({"torch_varlen"})
+    assert resolve_backend("auto", "cuda", training=True, dtype=BF16, excluded=varlen) == "flex"
+    assert resolve_backend("sdpa", "cpu", training=True, excluded=cp) == "sdpa"  # auto's only
 
 
 def test_varlen_explicit_backend_that_refuses_the_inputs_names_the_fix(

@@ -1,5 +1,5 @@
-"""megapack.core.normalize: what an iterator may yield, turned into one checked value per schema field
-(`normalize`); every refusal names the key, its value and the fix, in full."""
+"""megapack.core.intake: what an iterator may yield, made a `Batch` of one checked value per schema
+field (`to_batch`); every refusal names the key, its value and the fix, in full."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from megapack import BatchField, PackedBatch
 from megapack.core.fields import schema_of
-from megapack.core.normalize import Layout, normalize
+from megapack.core.intake import BatchForm, to_batch
 
 S = 8
 SCHEMA = schema_of()
@@ -31,7 +31,7 @@ def sft(b: int = 2) -> dict[str, Any]:
 
 def refusal(item: Any, schema: Any = SCHEMA, error: type = ValueError, **kw: Any) -> str:
     with pytest.raises(error) as info:
-        normalize(item, schema, **kw)
+        to_batch(item, schema, **kw)
     return str(info.value)
 
 
@@ -48,7 +48,7 @@ def test_regression_an_attention_mask_not_b_1_s_s_is_refused(shape: tuple[int, .
     assert refusal(plain() | {"attention_mask": mask}) == (
         f"batch['attention_mask'] is {shape}; expected a [b, 1, s, s] tensor with b=2 and s=8"
     )
-    ok = normalize(plain() | {"attention_mask": torch.ones(2, 1, S, S, dtype=torch.bool)}, SCHEMA)
+    ok = to_batch(plain() | {"attention_mask": torch.ones(2, 1, S, S, dtype=torch.bool)}, SCHEMA)
     assert ok.values["attention_mask"].shape == (2, 1, S, S)
 
 
@@ -64,7 +64,7 @@ def test_regression_a_batch_without_rows_or_tokens_is_refused(make: Any) -> None
         )
 
 
-# ---------------------------------------------------------------- what normalize keeps
+# ---------------------------------------------------------------- what to_batch keeps
 
 ADV = BatchField("adv", "token", torch.float32, "last", at="label")
 OLD = BatchField("old", "token", torch.float32, "last", at="label")
@@ -81,16 +81,16 @@ def rl(b: int = 2) -> dict[str, Any]:
 
 def test_a_packed_batch_gives_a_value_for_every_schema_field() -> None:
     item = PackedBatch.from_documents([[5, 6, 7], [8, 9]])
-    batch = normalize(item, SCHEMA)
-    assert batch.layout == Layout.PACKED and list(batch.values) == list(SCHEMA.names)
+    batch = to_batch(item, SCHEMA)
+    assert batch.form == BatchForm.PACKED and list(batch.values) == list(SCHEMA.names)
     for name in ("attention_mask", "cu_seqlens_padded", "dataset_id", "local_cp_size"):
         assert batch.values[name] is None, name
     assert batch.values["tokens"] is item.tokens and batch.values["max_seqlen"] == 3
 
 
 def test_plain_rows_are_kept_and_checked_against_the_tokens_shape() -> None:
-    batch = normalize(plain(), SCHEMA)
-    assert batch.layout == Layout.PLAIN and batch.values["tokens"].shape == (2, S)
+    batch = to_batch(plain(), SCHEMA)
+    assert batch.form == BatchForm.PLAIN and batch.values["tokens"].shape == (2, S)
     bad = plain() | {"labels": torch.zeros(2, 7, dtype=torch.long)}
     assert refusal(bad) == "batch['labels'] has shape (2, 7) but tokens has (2, 8)"
 
@@ -98,14 +98,14 @@ def test_plain_rows_are_kept_and_checked_against_the_tokens_shape() -> None:
 def test_a_declared_1d_ragged_tensor_or_list_of_1d_tensors_is_accepted() -> None:
     marks = BatchField("marks", "ragged", torch.int64, "all")
     schema = schema_of((marks,))
-    got = normalize(sft() | {"marks": torch.tensor([1, 2, 3])}, schema).values["marks"]
+    got = to_batch(sft() | {"marks": torch.tensor([1, 2, 3])}, schema).values["marks"]
     assert got.tolist() == [1, 2, 3]
     parts = [torch.tensor([4]), torch.tensor([5, 6])]
-    assert normalize(sft() | {"marks": parts}, schema).values["marks"].tolist() == [4, 5, 6]
+    assert to_batch(sft() | {"marks": parts}, schema).values["marks"].tolist() == [4, 5, 6]
 
 
 def test_a_sample_field_of_six_dims_travels() -> None:
-    six = normalize(rl() | {"w": torch.ones(2, 1, 1, 1, 1, 3)}, DECLARED).values["w"]
+    six = to_batch(rl() | {"w": torch.ones(2, 1, 1, 1, 1, 3)}, DECLARED).values["w"]
     assert six.shape == (2, 1, 1, 1, 1, 3)
 
 
@@ -223,25 +223,24 @@ def test_declared_field_refusals_in_full(change: dict, error: type, message: str
 def test_dataset_id_refusals_in_full(value: Any, rows: int, error: type, message: str) -> None:
     assert refusal(sft(rows) | {"dataset_id": value}, error=error) == message
     ok = torch.arange(rows).reshape(rows, 1)  # [b, 1], as collated from [1]-shaped items
-    assert normalize(sft(rows) | {"dataset_id": ok}, SCHEMA).values["dataset_id"].shape == (rows,)
+    assert to_batch(sft(rows) | {"dataset_id": ok}, SCHEMA).values["dataset_id"].shape == (rows,)
 
 
 @pytest.mark.parametrize(
-    ("value", "message"),
+    ("value", "error", "message"),
     [
-        (True, "batch['local_cp_size'] must be an int >= 1, got True"),
-        (2.0, "batch['local_cp_size'] must be an int >= 1, got 2.0"),
-        (torch.tensor([2.0]),
+        (True, TypeError, "batch['local_cp_size'] must be an int >= 1, got bool True"),
+        (2.0, TypeError, "batch['local_cp_size'] must be an int >= 1, got float 2.0"),
+        (0, ValueError, "batch['local_cp_size'] must be an int >= 1, got 0"),
+        (torch.tensor([2.0]), TypeError,
          "batch['local_cp_size'] must be one integer, got a torch.float32 tensor of shape (1,)"),
-        (torch.tensor([True]),
+        (torch.tensor([True]), TypeError,
          "batch['local_cp_size'] must be one integer, got a torch.bool tensor of shape (1,)"),
-        (torch.tensor([1, 1]),
+        (torch.tensor([1, 1]), ValueError,
          "batch['local_cp_size'] must be one integer, got a torch.int64 tensor of shape (2,)"),
     ],
-    ids=["bool", "float", "float-tensor", "bool-tensor", "two-values"],
+    ids=["bool", "float", "zero", "float-tensor", "bool-tensor", "two-values"],
 )  # fmt: skip
-def test_local_cp_size_refusals_in_full(value: Any, message: str) -> None:
-    assert refusal(sft() | {"local_cp_size": value}) == message
-    assert (
-        normalize(sft() | {"local_cp_size": torch.tensor(2)}, SCHEMA).values["local_cp_size"] == 2
-    )
+def test_local_cp_size_refusals_in_full(value: Any, error: type, message: str) -> None:
+    assert refusal(sft() | {"local_cp_size": value}, error=error) == message
+    assert to_batch(sft() | {"local_cp_size": torch.tensor(2)}, SCHEMA).values["local_cp_size"] == 2

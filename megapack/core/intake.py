@@ -1,6 +1,6 @@
-"""What a data iterator may yield, checked and turned into one value per declared field (`normalize`).
+"""What a data iterator may yield, checked and made a `Batch`: one value per declared field (`to_batch`).
 
-Three forms are accepted, the same on every stage:
+Three kinds of item are accepted, the same on every stage:
 
     PackedBatch                      THD [1, T] as is (`megapack.core.batch`)
     Megatron SFT-style dict          [b, s] rows with per-row ``cu_seqlens`` [b, k] (and optionally
@@ -28,6 +28,7 @@ import torch
 
 from megapack.core.batch import PackedBatch
 from megapack.core.buckets import BUCKET_NAMES
+from megapack.core.checks import check_int
 from megapack.core.fields import MAX_DIMS, BatchField, Schema
 from megapack.core.rows import GRID_NAMES, grid_tensor, merge_rows
 
@@ -37,20 +38,22 @@ IGNORED_KEYS = frozenset({"cu_seqlens_argmin"})
 """Accepted and dropped: NeMo's index of each row's first cu_seqlens sentinel, redundant with it."""
 
 
-class Layout(enum.IntEnum):
+class BatchForm(enum.IntEnum):
+    """Whether a batch is packed or plain (its code travels in the frame's header)."""
+
     PACKED = 0  # THD [1, T] with cu_seqlens
     PLAIN = 1  # Megatron pretraining [b, s], attention_mask optional
 
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """One checked micro-batch: its layout and a value (tensor, Python int or None) per schema field."""
+    """One checked micro-batch: its form and a value (tensor, Python int or None) per schema field."""
 
-    layout: Layout
+    form: BatchForm
     values: dict[str, Any]
 
 
-def normalize(item: Any, schema: Schema, *, packed: bool | None = None) -> Batch:
+def to_batch(item: Any, schema: Schema, *, packed: bool | None = None) -> Batch:
     """The `Batch` of one item from the data iterator, every field checked against ``schema``.
 
     Args:
@@ -72,10 +75,10 @@ def normalize(item: Any, schema: Schema, *, packed: bool | None = None) -> Batch
             f"data_iterator yielded {type(item).__name__}; expected a megapack.PackedBatch or a dict "
             "of tensors (Megatron SFT-style with cu_seqlens, or a plain pretraining batch)"
         )
-    if packed is not None and (batch.layout == Layout.PACKED) != packed:
+    if packed is not None and (batch.form == BatchForm.PACKED) != packed:
         raise ValueError(
             f"get_batch_on_this_tp_rank(packed={packed}) but the batch "
-            + ("has cu_seqlens" if batch.layout == Layout.PACKED else "has no cu_seqlens")
+            + ("has cu_seqlens" if batch.form == BatchForm.PACKED else "has no cu_seqlens")
             + ": pass packed= matching the data (Megatron: --sft or inter-document masking)"
         )
     return batch
@@ -111,7 +114,7 @@ def _from_packed_batch(item: PackedBatch, schema: Schema) -> Batch:
             f"PackedBatch.extras has undeclared keys {sorted(extras)}: declare each with "
             "fields=(megapack.BatchField(name, per, dtype, stages), ...) or drop it"
         )
-    return Batch(Layout.PACKED, values)
+    return Batch(BatchForm.PACKED, values)
 
 
 def _from_dict(item: Mapping[str, Any], schema: Schema) -> Batch:
@@ -155,7 +158,7 @@ def _from_dict(item: Mapping[str, Any], schema: Schema) -> Batch:
         for name in GRID_NAMES:
             values[name] = grid_tensor(item, name, (rows, cols))
         values["attention_mask"] = _attention_mask(item.get("attention_mask"), rows, cols)
-        return Batch(Layout.PLAIN, values)
+        return Batch(BatchForm.PLAIN, values)
     if item.get("attention_mask") is not None:
         raise ValueError(
             "batch has both cu_seqlens and a dense attention_mask: packed batches mask by "
@@ -169,7 +172,7 @@ def _from_dict(item: Mapping[str, Any], schema: Schema) -> Batch:
         for name in (*GRID_NAMES, "cu_seqlens", "cu_seqlens_padded", "max_seqlen")
     }
     values["local_cp_size"] = _local_cp_size(item.get("local_cp_size"))
-    return Batch(Layout.PACKED, values)
+    return Batch(BatchForm.PACKED, values)
 
 
 def _declared(
@@ -264,12 +267,12 @@ def _local_cp_size(value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
-            raise ValueError(
+        integer = not (value.dtype.is_floating_point or value.dtype.is_complex)
+        if not integer or value.dtype == torch.bool or value.numel() != 1:
+            error = ValueError if integer and value.dtype != torch.bool else TypeError
+            raise error(
                 f"batch['local_cp_size'] must be one integer, got a {value.dtype} tensor of shape "
                 f"{tuple(value.shape)}"
             )
         value = int(value.item())
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"batch['local_cp_size'] must be an int >= 1, got {value!r}")
-    return value
+    return check_int("batch['local_cp_size']", value, minimum=1)

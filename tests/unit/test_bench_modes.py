@@ -1,4 +1,4 @@
-"""The fair baselines' layouts (`megapack.bench.layouts`): a step as a real run has it, the same
+"""The fair baselines' modes (`megapack.bench.modes`): a step as a real run has it, the same
 documents in every mode, no filler row, grouped sorted once and filled to packing's budget, the
 ceiling on packing's THD path, and what a step times."""
 
@@ -11,15 +11,15 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from megapack.bench import layouts
+from megapack.bench import modes
 from megapack.bench.gpu.model import TOY
-from megapack.bench.layouts import (
+from megapack.bench.modes import (
     FULL_MODES,
     MODES,
     SAMPLED_MODES,
     grouped,
-    layout_cost,
     micro_batches,
+    mode_cost,
     plan_step,
     schedule_shape,
     timed,
@@ -34,7 +34,7 @@ def docs_of(lengths: list[int], seed: int = 0) -> list[np.ndarray]:
 
 
 def test_docstring_examples() -> None:
-    result = doctest.testmod(layouts)
+    result = doctest.testmod(modes)
     assert result.failed == 0 and result.attempted >= 4
 
 
@@ -69,7 +69,7 @@ def test_a_step_leaves_the_epochs_remainder_row_out() -> None:
 def test_a_step_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match="document 1 has 11 tokens, above seq_len=10"):
         plan_step([3, 11], 10, 1, 1)
-    with pytest.raises(ValueError, match="micro_batches must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="micro_batches must be an int >= 1, got 0"):
         plan_step([3], 10, 1, 0)
     with pytest.raises(ValueError, match="lengths is empty"):
         plan_step([], 10, 1, 1)
@@ -85,7 +85,7 @@ def test_every_layout_holds_the_step_documents_and_no_filler() -> None:
         batches = micro_batches(mode, docs, 256, 2, packing=step.packing)
         tokens = [b.tokens if isinstance(b, PackedBatch) else b["tokens"] for b in batches]
         assert sum(int((t > 0).sum()) for t in tokens) == total, mode  # ids >= 1, padding 0
-        cost = layout_cost(batches)
+        cost = mode_cost(batches)
         assert cost.slots == sum(t.numel() for t in tokens) and sum(cost.spans) == cost.slots
         assert cost.executed_flops(TOY) >= TOY.training_flops(step.lengths), mode
         for b in batches:  # no row without a document (the old filler row held one pad token)
@@ -102,8 +102,8 @@ def test_the_last_packed_micro_batch_holds_what_remains_without_a_filler_row() -
     docs = docs_of([6, 5, 4])  # three rows of 8 (6, 5, 4 do not pair up), 2 rows a micro-batch
     batches = micro_batches("packed", docs, 8, 2)
     assert [b.tokens.shape[1] for b in batches] == [16, 8]  # the last one row, not two
-    assert layout_cost(batches).spans == [6, 2, 5, 3, 4, 4]  # each document and its row's tail
-    assert layout_cost(micro_batches("ceiling", docs, 8, 2)).slots == 24
+    assert mode_cost(batches).spans == [6, 2, 5, 3, 4, 4]  # each document and its row's tail
+    assert mode_cost(micro_batches("ceiling", docs, 8, 2)).slots == 24
 
 
 def test_the_ceiling_is_one_document_per_row_on_packings_thd_path() -> None:
@@ -115,7 +115,7 @@ def test_the_ceiling_is_one_document_per_row_on_packings_thd_path() -> None:
     assert ceiling[0].cu_seqlens.tolist() == [0, 7, 8, 16]  # one document per row, then its tail
     assert packed[0].cu_seqlens.tolist() == [0, 3, 7, 8, 10, 15, 16]
     assert np.array_equal(ceiling[0].tokens.numpy(), packed[0].tokens.numpy())  # the same tokens
-    c, p = layout_cost(ceiling), layout_cost(packed)
+    c, p = mode_cost(ceiling), mode_cost(packed)
     assert c.slots == p.slots and c.spans == [7, 1, 8]
     assert c.executed_flops(TOY) - p.executed_flops(TOY) == 3 * 4 * 64 * 2 * (
         (28 + 1 + 36) - (6 + 10 + 1 + 3 + 15 + 1)
@@ -129,7 +129,7 @@ def test_grouped_worked_example() -> None:
     assert [[len(d) for d in g] for g in groups] == [[6, 5], [3, 2, 1]]
     batches = micro_batches("grouped", docs, 6, 2)
     assert [tuple(b["tokens"].shape) for b in batches] == [(2, 6), (3, 3)]
-    assert layout_cost(batches).spans == [6, 6, 3, 3, 3]
+    assert mode_cost(batches).spans == [6, 6, 3, 3, 3]
 
 
 def fewest_groups(lengths: list[int], budget: int) -> int:

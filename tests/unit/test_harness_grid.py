@@ -26,8 +26,8 @@ def _layout(tp: int, pp: int, cp: int) -> dict[str, Any]:
 def _bad(tp: Any, pp: Any, cp: Any) -> str:
     try:
         grid_topology(tp, pp, cp)
-    except ValueError as exc:
-        return str(exc)
+    except (TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
     return "no error"
 
 
@@ -50,5 +50,11 @@ def test_rank_layout_is_megatron_order(dist_pool: Any, tp: int, pp: int, cp: int
 @pytest.mark.distributed
 def test_bad_sizes_name_the_argument(dist_pool: Any) -> None:
     assert "needs 4 ranks, the process group has 2" in dist_pool.run(_bad, 2, 2, 2, 1)[0]
-    assert "tp must be an int >= 1, got 0" in dist_pool.run(_bad, 1, 0, 1, 1)[0]
-    assert "cp must be an int >= 1, got True" in dist_pool.run(_bad, 1, 1, 1, True)[0]
+    assert (
+        "ValueError: grid_topology: tp must be an int >= 1, got 0"
+        in dist_pool.run(_bad, 1, 0, 1, 1)[0]
+    )
+    assert (
+        "TypeError: grid_topology: cp must be an int >= 1, got bool True"
+        in dist_pool.run(_bad, 1, 1, 1, True)[0]
+    )

@@ -1,7 +1,7 @@
 """Tests of megapack.attention.cp_attention: PackedAttention with context parallelism on gloo CPU ranks.
 
 Every CP run is compared with the cp=1 result on the whole row (`PackedAttention` without CP, itself
-checked against a dense reference in test_attention.py): each rank's outputs and its q/k/v gradients
+checked against a dense reference in test_packed.py): each rank's outputs and its q/k/v gradients
 must equal the whole row's at the positions it holds (`megapack.core.cp_share.cp_indices`).
 """
 

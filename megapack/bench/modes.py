@@ -1,5 +1,5 @@
-"""One step's documents laid out as packing and as the baselines a practitioner would pick, and
-what each layout runs: one module for `megapack bench` and the GPU kit alike.
+"""The benchmark's modes: one step's documents as packing and as the baselines a practitioner would
+pick, and what each mode runs: one module for `megapack bench` and the GPU kit alike.
 
 A step as a real run has it (`plan_step`): a real run packs a whole epoch, so its rows are nearly
 full and no step ends in a half-empty row. Packing's rows for one step are therefore a window of a
@@ -26,7 +26,7 @@ sequence's place); a micro-batch's token budget is ``rows x seq_len`` slots:
                     FLOP/s bounds packing's
     padded_longest  weak, kept by name: rows documents in data order padded to the longest
 
-No filler rows: every mode runs only rows that hold documents. A layout's last micro-batch holds
+No filler rows: every mode runs only rows that hold documents. A mode's last micro-batch holds
 what remains (fewer rows, or fewer documents, than the others); a step from `plan_step` fills
 every packed micro-batch, since the plan has more rows than the window takes. (The filler row the
 kit topped packing's last micro-batch up with was 11% of its attention spans: work no other mode
@@ -39,7 +39,7 @@ padded_fixed has the same shape, and padded_longest's hold documents in data ord
 sample of the step whose own tokens and FLOPs the rates count. Short SFT padded to seq would
 otherwise take 10-16x packing's time and break the kit's budget.
 
-FLOPs (`LayoutCost`): ``executed`` is what the kernels run: every token slot through the matmuls,
+FLOPs (`ModeCost`): ``executed`` is what the kernels run: every token slot through the matmuls,
 and causal attention over every attention span (a packed buffer segment, a row's trailing
 padding included, or a padded row whole). The executed-FLOP ideal of a baseline is its executed
 FLOPs over packing's: what a step would gain if time followed executed FLOPs.
@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from megapack.core.batch import PackedBatch
+from megapack.core.checks import check_int
 
 if TYPE_CHECKING:
     from megapack.bench.gpu.model import GptShape
@@ -102,6 +103,7 @@ def plan_step(
     docstring); fewer when the plan has fewer rows.
 
     Raises:
+        TypeError: ``seq_len``, ``rows`` or ``micro_batches`` is not an int.
         ValueError: a length above ``seq_len`` (documents are never split here), or a count < 1.
 
     Example:
@@ -109,11 +111,10 @@ def plan_step(
         >>> step.lengths, step.packing, step.pool, step.pool_rows
         ([3, 7, 2, 8], [[2, 3], [0, 1]], [1, 2, 3, 4], 3)
     """
-    from megapack.packing import plan
+    from megapack.packing import LoadOptions, plan
 
     for name, value in (("seq_len", seq_len), ("rows", rows), ("micro_batches", micro_batches)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+        check_int(name, value, minimum=1)
     if not lengths:
         raise ValueError("lengths is empty: a step needs documents")
     longest = max(lengths)
@@ -122,7 +123,7 @@ def plan_step(
             f"lengths: document {list(lengths).index(longest)} has {longest} tokens, above "
             f"seq_len={seq_len}; clip the mix to the row (documents are not split here)"
         )
-    bins = plan(list(lengths), seq_len, algorithm="bfd", balance="token", seed=seed).bins
+    bins = plan(list(lengths), seq_len, algorithm="bfd", seed=seed, loading=LoadOptions()).bins
     rows_of = [[i for i, _, _ in row] for row in bins]
     if len(rows_of) > micro_batches * rows:  # the epoch's remainder row: once an epoch, not a step
         loads = [sum(lengths[i] for i in row) for row in rows_of]
@@ -210,7 +211,7 @@ def timed_lengths(mode: str, lengths: Sequence[int], rows: int, limit: int) -> l
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LayoutCost:
+class ModeCost:
     """What micro-batches hold and cost."""
 
     slots: int
@@ -224,8 +225,8 @@ class LayoutCost:
         return shape.training_flops(self.spans)
 
 
-def layout_cost(batches: Sequence[Any]) -> LayoutCost:
-    """The `LayoutCost` of a list of micro-batches (PackedBatch or plain [b, s] dicts)."""
+def mode_cost(batches: Sequence[Any]) -> ModeCost:
+    """The `ModeCost` of a list of micro-batches (PackedBatch or plain [b, s] dicts)."""
     spans: list[int] = []
     for b in batches:
         if isinstance(b, PackedBatch):
@@ -234,7 +235,7 @@ def layout_cost(batches: Sequence[Any]) -> LayoutCost:
         else:
             n, width = (int(x) for x in b["tokens"].shape)
             spans += [width] * n
-    return LayoutCost(slots=sum(spans), spans=spans)
+    return ModeCost(slots=sum(spans), spans=spans)
 
 
 def schedule_shape(batch: Any) -> tuple[int, int]:
