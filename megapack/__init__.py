@@ -17,43 +17,39 @@ if TYPE_CHECKING:
     from megapack.core.batch import PackedBatch
     from megapack.core.buckets import BUCKET_FIELDS
     from megapack.core.errors import (
+        CaptureError,
         CollectiveError,
         DesyncError,
         ProtocolError,
         RemoteDataError,
         RemoteRankError,
     )
-    from megapack.core.fields import BUILTIN_FIELDS, BatchField, Stage
-    from megapack.core.loss_fields import LOSS_FIELDS, LOSS_MODES
+    from megapack.core.fields import BatchField
+    from megapack.core.loss_fields import LOSS_FIELDS
     from megapack.core.static import StaticShape
     from megapack.data.loss_steps import with_loss_fields
     from megapack.delivery.get_batch import get_batch_on_this_tp_rank
     from megapack.delivery.graph import GraphInputs
-    from megapack.delivery.prefetch import Prefetcher, prefetch
+    from megapack.delivery.prefetch import prefetch
     from megapack.delivery.steps import lockstep_steps
     from megapack.distributed.comm import long_operation
     from megapack.distributed.sync import check_in_sync, lockstep
     from megapack.distributed.topology import Topology
-    from megapack.packing.align import align_by_kind
 
 _EXPORTS = {
     "BUCKET_FIELDS": "megapack.core.buckets",
-    "BUILTIN_FIELDS": "megapack.core.fields",
+    "CaptureError": "megapack.core.errors",
     "BatchField": "megapack.core.fields",
     "CollectiveError": "megapack.core.errors",
     "DesyncError": "megapack.core.errors",
     "GraphInputs": "megapack.delivery.graph",
     "LOSS_FIELDS": "megapack.core.loss_fields",
-    "LOSS_MODES": "megapack.core.loss_fields",
     "PackedBatch": "megapack.core.batch",
-    "Prefetcher": "megapack.delivery.prefetch",
     "ProtocolError": "megapack.core.errors",
     "RemoteDataError": "megapack.core.errors",
     "RemoteRankError": "megapack.core.errors",
-    "Stage": "megapack.core.fields",
     "StaticShape": "megapack.core.static",
     "Topology": "megapack.distributed.topology",
-    "align_by_kind": "megapack.packing.align",
     "check_in_sync": "megapack.distributed.sync",
     "get_batch_on_this_tp_rank": "megapack.delivery.get_batch",
     "lockstep": "megapack.distributed.sync",
@@ -66,22 +62,18 @@ _EXPORTS = {
 
 __all__ = [
     "BUCKET_FIELDS",
-    "BUILTIN_FIELDS",
     "LOSS_FIELDS",
-    "LOSS_MODES",
     "BatchField",
+    "CaptureError",
     "CollectiveError",
     "DesyncError",
     "GraphInputs",
     "PackedBatch",
-    "Prefetcher",
     "ProtocolError",
     "RemoteDataError",
     "RemoteRankError",
-    "Stage",
     "StaticShape",
     "Topology",
-    "align_by_kind",
     "check_in_sync",
     "get_batch_on_this_tp_rank",
     "lockstep",

@@ -12,7 +12,8 @@ Modules:
     varlen.py        torch's varlen_attn in each released form (found from its signature)
     flex.py          flex_attention: one block mask per micro-batch, one compiled kernel
     te.py            Transformer Engine's THD attention
-    cudnn.py         cuDNN's fused attention over ragged THD tensors (cudnn-frontend)
+    cudnn.py         cuDNN's fused attention over ragged THD tensors (cudnn-frontend); its
+                     graphs, described, built once per shape class and cached: cudnn_graph.py
     bucketed.py      the documents in a few dense batches by length, one SDPA call each
     cp_attention.py  context-parallel attention: K/V all-gather (cp_plan.py: the segment plan,
                      cp_kernels.py: its kernels)
@@ -23,15 +24,11 @@ tests/unit/test_layering.py); megatron-core only lazily, inside calls.
 """
 
 from megapack.attention.choice import BACKENDS, backend_available, resolve_backend
-from megapack.attention.documents import Documents
 from megapack.attention.functional import packed_attention
-from megapack.attention.kernels import KERNELS
 from megapack.attention.packed import PackedAttention
 
 __all__ = [
     "BACKENDS",
-    "KERNELS",
-    "Documents",
     "PackedAttention",
     "backend_available",
     "packed_attention",

@@ -10,8 +10,8 @@
                                   by a PackOptions and a LoadOptions (`megapack.packing.options`)
     PackWriter                    the same directory PackedDataset.save writes, streamed and resumable
                                   (the packed directory and its meta.json: packed_dir.py)
-    with_loss_fields, step_batches  each micro-batch's optimizer-step loss fields, for an iterator
-                                  (one all-gather per step) or a StreamingPacker global batch
+    step_batches                  each micro-batch's optimizer-step loss fields of a StreamingPacker
+                                  global batch (for any iterator: megapack.with_loss_fields)
     ByteTokenizer, HFTokenizer    the Tokenizer protocol's two implementations
     ChatTemplate                  built-in chat rendering (the fallback, e.g. for ByteTokenizer)
     HFChatTemplate                a model's own Jinja chat template, as apply_chat_template renders it
@@ -36,18 +36,17 @@ from megapack.data.chat import ChatTemplate
 from megapack.data.document import Document
 from megapack.data.hf_chat import ChatTemplateError, HFChatTemplate
 from megapack.data.indexed import read_indexed
-from megapack.data.jsonl import JsonlReader, JsonlStats, read_jsonl
+from megapack.data.jsonl import read_jsonl
 from megapack.data.pack_writer import PackWriter
 from megapack.data.read import read_documents
-from megapack.data.record_reader import ReaderStats, RecordReader
 from megapack.data.records import BadLineError, Fields
 from megapack.data.split import split_document
-from megapack.data.tables import TableReader, read_table
+from megapack.data.tables import read_table
 from megapack.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:
     from megapack.data.dataset import PackedDataset
-    from megapack.data.loss_steps import step_batches, with_loss_fields
+    from megapack.data.loss_steps import step_batches
 
 
 def __getattr__(name: str) -> Any:
@@ -56,10 +55,10 @@ def __getattr__(name: str) -> Any:
         from megapack.data.dataset import PackedDataset
 
         return PackedDataset
-    if name in ("step_batches", "with_loss_fields"):
-        from megapack.data import loss_steps
+    if name == "step_batches":
+        from megapack.data.loss_steps import step_batches
 
-        return getattr(loss_steps, name)
+        return step_batches
     raise AttributeError(f"module 'megapack.data' has no attribute {name!r}")
 
 
@@ -72,13 +71,8 @@ __all__ = [
     "Fields",
     "HFChatTemplate",
     "HFTokenizer",
-    "JsonlReader",
-    "JsonlStats",
     "PackWriter",
     "PackedDataset",
-    "ReaderStats",
-    "RecordReader",
-    "TableReader",
     "Tokenizer",
     "documents_from_array",
     "documents_from_arrays",
@@ -91,5 +85,4 @@ __all__ = [
     "read_table",
     "split_document",
     "step_batches",
-    "with_loss_fields",
 ]

@@ -25,11 +25,17 @@ Example (two DP shards built with different seeds)::
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import torch.distributed as dist
+
+from megapack.core.fields import Stage
 from megapack.distributed import sync
+from megapack.distributed.topology import Topology
 
 __all__ = ["PER_RANK_KEYS", "STEP_KEYS", "agreement_errors", "data_parallel_place"]
 
@@ -158,3 +164,117 @@ def data_parallel_place() -> list[int] | None:
     if ps is None or not ps.model_parallel_is_initialized():
         return None
     return [ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()]
+
+
+def schedule_shape(item: Any, *, cp_size: int = 1) -> tuple[int, int, bool] | None:
+    """(seq_length, micro_batch_size, packed) a megatron-core schedule needs for ``item``, or None
+    where the item does not say (a middle stage's delivered batch has no tokens).
+
+    ``item`` is what a TP source reads (a `megapack.PackedBatch`, a Megatron SFT dict with
+    ``cu_seqlens``, a plain pretraining dict) or what `megapack.prefetch` delivers (this CP
+    rank's share: the schedule counts the whole row, so x ``cp_size``).
+
+    Example:
+        >>> import torch
+        >>> schedule_shape({"tokens": torch.zeros(2, 512, dtype=torch.long),
+        ...                 "cu_seqlens": torch.tensor([[0, 512], [0, 512]])})
+        (1024, 1, True)
+        >>> schedule_shape({"tokens": torch.zeros(4, 256, dtype=torch.long)})
+        (256, 4, False)
+    """
+    tokens = getattr(item, "tokens", None)
+    if tokens is not None:  # a PackedBatch: [1, T]
+        return int(tokens.shape[-1]) * int(tokens.shape[0]), 1, True
+    if not isinstance(item, Mapping) or item.get("tokens") is None:
+        return None
+    rows, width = (int(n) for n in item["tokens"].shape)
+    delivered = "packed_seq_params" in item
+    packed = item.get("packed_seq_params") is not None if delivered else "cu_seqlens" in item
+    share = cp_size if delivered else 1  # a delivered batch holds this CP rank's share
+    if packed:
+        return rows * width * share, 1, True
+    return width * share, rows, False
+
+
+def schedule_mismatch(
+    item: Any, seq_length: int, micro_batch_size: int, *, cp_size: int
+) -> str | None:
+    """Why ``item`` does not fit a schedule run with ``seq_length`` and ``micro_batch_size``
+    (naming the values to pass), or None when it fits or does not say (`schedule_shape`)."""
+    shape = schedule_shape(item, cp_size=cp_size)
+    if shape is None or shape[:2] == (seq_length, micro_batch_size):
+        return None
+    want_s, want_b, packed = shape
+    kind = (
+        f"a packed micro-batch is one [1, {want_s}] row (rows x seq_len tokens)"
+        if packed
+        else f"a plain micro-batch is {want_b} rows of {want_s} tokens"
+    )
+    return (
+        f"the schedule's seq_length={seq_length}, micro_batch_size={micro_batch_size} do not fit "
+        f"it: {kind}; pass seq_length={want_s}, micro_batch_size={want_b} to the schedule "
+        f"(get_forward_backward_func()(..., seq_length={want_s}, micro_batch_size={want_b})) "
+        "and to lockstep_steps"
+    )
+
+
+def local_problems(
+    topo: Topology, iterators: Sequence[Iterator[Any] | None], *, chunked: bool
+) -> list[str]:
+    """What is wrong on this rank alone (reported on every rank at the first step): a TP source
+    of a first, last or only stage (of each model chunk) without its iterator."""
+    problems: list[str] = []
+    if not topo.is_source:
+        return problems
+    for index, iterator in enumerate(iterators):
+        place = topo
+        if chunked:
+            if topo.vp_size is None:
+                break  # which chunk is which stage is unknown: get_batch will tell
+            place = dataclasses.replace(topo, vp_stage=index)
+        if iterator is None and place.stage != Stage.MIDDLE:
+            where = f"data_iterator[{index}]" if chunked else "data_iterator"
+            problems.append(
+                f"rank {_rank()} is the TP source of a {place.stage.value!r} pipeline stage but "
+                f"passed {where}=None: get_batch_on_this_tp_rank needs its data there"
+            )
+    return problems
+
+
+def first_step_agreement(
+    *,
+    micro_batches: int,
+    reads: bool,
+    problems: list[str],
+    datasets: Sequence[Any],
+    group: Any,
+    timeout: float | None,
+) -> None:
+    """`lockstep_steps`' first-step checks: one all-gather of every rank's settings on ``group``,
+    then the same ValueError (naming both ranks and values) or warnings on every rank."""
+    settings, problems = [], list(problems)
+    for ds in datasets:
+        try:  # a failure here must reach every rank, not leave them in the gather
+            settings.append(ds.settings())
+        except Exception as exc:
+            problems.append(f"rank {_rank()}: dataset.settings() failed: {exc!r}")
+    mine = {
+        "micro_batches": micro_batches,
+        "reads": reads,
+        "problems": problems,
+        "datasets": settings,
+        "dp": data_parallel_place(),
+    }
+    everyone = sync.gather_settings(
+        mine, group=group, timeout=timeout, what="lockstep_steps agreement"
+    )
+    errors, cautions = agreement_errors(everyone)
+    if errors:
+        raise ValueError("lockstep_steps: " + "; ".join(errors))
+    for ranks, text in cautions:
+        if _rank() in ranks:
+            warnings.warn(f"lockstep_steps: {text}", stacklevel=4)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0

@@ -56,8 +56,7 @@ import torch.distributed as dist
 
 from megapack.core.checks import check_int
 from megapack.core.errors import RemoteDataError
-from megapack.core.fields import Stage
-from megapack.delivery.agreement import agreement_errors, data_parallel_place
+from megapack.delivery.agreement import first_step_agreement, local_problems, schedule_mismatch
 from megapack.delivery.get_batch import warn_ignored_iterator
 from megapack.delivery.prefetch import Prefetcher
 from megapack.distributed import sync
@@ -75,6 +74,8 @@ def lockstep_steps(
     group: dist.ProcessGroup | None = None,
     timeout: float | None = None,
     dataset: Any = None,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
 ) -> StepLockstep:
     """Steps of ``micro_batches`` items that every rank of ``group`` starts or stops together.
 
@@ -95,6 +96,13 @@ def lockstep_steps(
             when ranks finish it far apart (`megapack.long_operation` for a checkpoint save).
         dataset: the dataset this rank reads, for the agreement checks (a `PackedDataset` or any
             object with ``settings()``); default: found behind a `DatasetIterator` or a prefetcher.
+        seq_length, micro_batch_size: the schedule's own (both or neither): every micro-batch
+            read is checked against them before the step starts, since a mismatch fails only
+            inside the schedule, as a shape error on the last stage and a closed connection on
+            the others. A packed micro-batch is one [1, T] row, so the schedule needs
+            ``seq_length=T`` (rows x seq_len) and ``micro_batch_size=1``; a plain [b, s] batch
+            ``seq_length=s``, ``micro_batch_size=b``. A mismatch is a ValueError on the reading
+            rank naming both and the values to pass (`RemoteDataError` on the others).
 
     Returns:
         A `StepLockstep`: iterate it to get each step's data iterator (a `StepIterator` where
@@ -111,6 +119,8 @@ def lockstep_steps(
         group=group,
         timeout=timeout,
         dataset=dataset,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
     )
 
 
@@ -170,8 +180,21 @@ class StepLockstep:
         group: dist.ProcessGroup | None = None,
         timeout: float | None = None,
         dataset: Any = None,
+        seq_length: int | None = None,
+        micro_batch_size: int | None = None,
     ) -> None:
         self.micro_batches = check_int("micro_batches", micro_batches, minimum=1)
+        if (seq_length is None) != (micro_batch_size is None):
+            raise ValueError(
+                f"lockstep_steps: give the schedule's seq_length and micro_batch_size together "
+                f"(got seq_length={seq_length!r}, micro_batch_size={micro_batch_size!r})"
+            )
+        self._schedule: tuple[int, int] | None = None
+        if seq_length is not None and micro_batch_size is not None:
+            self._schedule = (
+                check_int("seq_length", seq_length, minimum=1),
+                check_int("micro_batch_size", micro_batch_size, minimum=1),
+            )
         if dataset is not None and not callable(getattr(dataset, "settings", None)):
             raise TypeError(
                 f"lockstep_steps: dataset must have a settings() method (a megapack.data."
@@ -208,7 +231,7 @@ class StepLockstep:
         if any(it is not None and not c.reads for it, c in zip(entries, self._chunks, strict=True)):
             warn_ignored_iterator(topo, "lockstep_steps")
         self._datasets = [dataset] if dataset is not None else _datasets_of(entries)
-        self._problems = self._local_problems()
+        self._problems = local_problems(self._topo, entries, chunked=chunked)
         self._flag_group: dist.ProcessGroup | None = None
         self._ended: BaseException | None = None
         self.step = 0
@@ -286,6 +309,8 @@ class StepLockstep:
             try:
                 while len(items) < self.micro_batches:
                     items.append(next(chunk.iterator))
+                    if self._schedule is not None:
+                        self._check_shape(items[-1], len(items) - 1)
             except StopIteration:
                 if items:
                     where = f" (model chunk {index})" if self._chunked else ""
@@ -298,6 +323,13 @@ class StepLockstep:
                     )
                 return sync.OUT, read
         return sync.HAVE, read
+
+    def _check_shape(self, item: Any, index: int) -> None:
+        """ValueError when ``item`` does not fit the schedule's seq_length x micro_batch_size."""
+        assert self._schedule is not None
+        problem = schedule_mismatch(item, *self._schedule, cp_size=self._topo.cp_size)
+        if problem is not None:
+            raise ValueError(f"lockstep_steps: micro-batch {index} of step {self.step}: {problem}")
 
     def _check_taken(self) -> None:
         """ValueError when the schedule took fewer items of the last step than it held."""
@@ -313,49 +345,16 @@ class StepLockstep:
 
     # ---- the one-time agreement
 
-    def _local_problems(self) -> list[str]:
-        """What is wrong on this rank alone (reported on every rank at the first step)."""
-        problems: list[str] = []
-        if not self._topo.is_source:
-            return problems
-        for index, chunk in enumerate(self._chunks):
-            topo = self._topo
-            if self._chunked:
-                if topo.vp_size is None:
-                    break  # which chunk is which stage is unknown: get_batch will tell
-                topo = dataclasses.replace(topo, vp_stage=index)
-            if chunk.iterator is None and topo.stage != Stage.MIDDLE:
-                where = f"data_iterator[{index}]" if self._chunked else "data_iterator"
-                problems.append(
-                    f"rank {_rank()} is the TP source of a {topo.stage.value!r} pipeline stage but "
-                    f"passed {where}=None: get_batch_on_this_tp_rank needs its data there"
-                )
-        return problems
-
     def _agree(self) -> None:
         """The first step's checks (module docstring): one all-gather, the same verdict everywhere."""
-        datasets, problems = [], list(self._problems)
-        for ds in self._datasets:
-            try:  # a failure here must reach every rank, not leave them in the gather
-                datasets.append(ds.settings())
-            except Exception as exc:
-                problems.append(f"rank {_rank()}: dataset.settings() failed: {exc!r}")
-        mine = {
-            "micro_batches": self.micro_batches,
-            "reads": any(c.reads for c in self._chunks),
-            "problems": problems,
-            "datasets": datasets,
-            "dp": data_parallel_place(),
-        }
-        everyone = sync.gather_settings(
-            mine, group=self._flag_group, timeout=self._timeout, what="lockstep_steps agreement"
+        first_step_agreement(
+            micro_batches=self.micro_batches,
+            reads=any(c.reads for c in self._chunks),
+            problems=self._problems,
+            datasets=self._datasets,
+            group=self._flag_group,
+            timeout=self._timeout,
         )
-        errors, cautions = agreement_errors(everyone)
-        if errors:
-            raise ValueError("lockstep_steps: " + "; ".join(errors))
-        for ranks, text in cautions:
-            if _rank() in ranks:
-                warnings.warn(f"lockstep_steps: {text}", stacklevel=3)
 
 
 def _reads(iterator: Iterator[Any] | None, topo: Topology) -> bool:

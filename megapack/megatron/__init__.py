@@ -6,10 +6,14 @@
 May import `megapack.attention`, `megapack.core` and megatron-core (lazily); never the delivery.
 """
 
+from megapack.core.loss_fields import LOSS_MODES
+from megapack.megatron.graph_step import GraphStep
 from megapack.megatron.loss import normalized_loss, policy_loss
 from megapack.megatron.spec import packed_gpt_layer_spec
 
 __all__ = [
+    "LOSS_MODES",
+    "GraphStep",
     "normalized_loss",
     "packed_gpt_layer_spec",
     "policy_loss",

@@ -23,14 +23,29 @@ micro-batch on every rank at each step), names.py (every choice list: algorithms
 policies, balance modes).
 """
 
-from megapack.packing.bounds import l1_bound, l2_bound, lower_bound
+from typing import TYPE_CHECKING, Any
+
+from megapack.packing.bounds import lower_bound
 from megapack.packing.cost import CostModel
 from megapack.packing.names import ALGORITHMS, LONG_DOC_POLICIES
 from megapack.packing.options import LoadOptions, PackOptions
 from megapack.packing.pack_plan import PackPlan
-from megapack.packing.pieces import Piece, Pieces
+from megapack.packing.pieces import Piece
 from megapack.packing.planner import plan
 from megapack.packing.streaming import StreamingPacker
+
+if TYPE_CHECKING:
+    from megapack.packing.align import align_by_kind
+
+
+def __getattr__(name: str) -> Any:
+    """`align_by_kind` on first use: it imports torch, which nothing else here does (``megapack
+    pack`` and ``--help`` never import it)."""
+    if name == "align_by_kind":
+        from megapack.packing.align import align_by_kind
+
+        return align_by_kind
+    raise AttributeError(f"module 'megapack.packing' has no attribute {name!r}")
 
 __all__ = [
     "ALGORITHMS",
@@ -40,10 +55,8 @@ __all__ = [
     "PackOptions",
     "PackPlan",
     "Piece",
-    "Pieces",
     "StreamingPacker",
-    "l1_bound",
-    "l2_bound",
+    "align_by_kind",
     "lower_bound",
     "plan",
 ]

@@ -22,7 +22,7 @@ and removed when the outermost block exits.
 
 Example:
     >>> import torch
-    >>> from megapack.attention import Documents
+    >>> from megapack.attention.documents import Documents
     >>> cu = torch.tensor([0, 3, 5])
     >>> with host_reads(allow={"megapack.attention"}) as reads:
     ...     bounds = Documents(cu, cu, 3, 5).host_bounds()  # the SDPA reference's one read

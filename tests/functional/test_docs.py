@@ -352,7 +352,7 @@ def quickstart(ns: dict[str, Any], run: Callable[[], None]) -> None:
     from megapack.cli import main
 
     if not Path("packed").exists():  # the quickstart's own `megapack pack ... --out packed/`
-        assert main(["pack", "sft.jsonl", "--seq-len", "4096", "--out", "packed"]) == 0
+        assert main(["pack", "sft.jsonl", "--seq-len", "256", "--out", "packed"]) == 0
     schedule = OneRankSchedule()
     ns.update(dp_rank=0, dp_size=1, num_microbatches=2, tp_rank=0, train_iters=3,
               model=OnesModel(), forward_backward_func=schedule)  # fmt: skip

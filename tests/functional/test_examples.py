@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -75,3 +76,35 @@ def test_rl_example_runs_a_grpo_step_with_declared_fields(grid: list[str]) -> No
     assert out.startswith("grpo: ") and "16 completions of 4 prompts" in out, out
     losses = [float(x) for x in re.findall(r"policy loss ([+-]\d+\.\d+)", out)]
     assert len(losses) == 3 and losses[-1] < losses[0], out  # the surrogate goes down
+
+
+def test_quickstart_packs_a_jsonl_file_then_trains_through_the_schedule(tmp_path: Path) -> None:
+    """The README's quickstart as it reads: `megapack pack`, then examples/quickstart.py on
+    tp 2 x pp 2 (megatron-core's 1F1B, DDP, per-token loss, lockstep_steps)."""
+    words = [
+        "a",
+        "packed",
+        "row",
+        "of",
+        "tokens",
+        "trains",
+        "faster",
+        "than",
+        "padding",
+        "every",
+        "document",
+    ]
+    lines = [
+        json.dumps({"prompt": " ".join(words[i % 5 : i % 5 + 3]), "completion": " ".join(words * (1 + i % 4))})
+        for i in range(80)
+    ]  # fmt: skip
+    (tmp_path / "sft.jsonl").write_text("\n".join(lines) + "\n")
+    pack = [sys.executable, "-m", "megapack.cli", "pack", str(tmp_path / "sft.jsonl"),
+            "--seq-len", "256", "--out", str(tmp_path / "packed")]  # fmt: skip
+    done = subprocess.run(pack, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = torchrun(4, "quickstart.py", str(tmp_path / "packed"), "--tp", "2", "--pp", "2")
+    losses = [
+        float(x) for x in re.findall(r"^step \d+: loss (\d+\.\d+) over \d+ trained", out, re.M)
+    ]
+    assert len(losses) == 3 and losses[-1] < losses[0], out

@@ -31,9 +31,10 @@ import numpy as np
 import pytest
 import torch
 
-from megapack import LOSS_FIELDS, LOSS_MODES, BatchField, PackedBatch
+from megapack import LOSS_FIELDS, BatchField, PackedBatch
 from megapack.data import Document, PackedDataset, split_document
 from megapack.harness.gpt import TinyGPT, forward_step, global_parameters, init_weights
+from megapack.megatron import LOSS_MODES
 
 pytestmark = pytest.mark.distributed
 

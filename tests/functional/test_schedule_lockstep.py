@@ -51,7 +51,8 @@ class Case:
     name: str
     data: str
     """"end": 3 whole steps; "partial": 5 micro-batches; "uneven": DP rank 0 3 steps, others 2;
-    "error": an OSError at item ``at`` on rank ``fail``; "bad": a bad batch there (prefetch)."""
+    "error": an OSError at item ``at`` on rank ``fail``; "bad": a bad batch there (prefetch);
+    "schedule": 3 whole steps, but lockstep_steps told a schedule seq_length of 2 rows."""
     forward_only: bool = False
     fail: int = 0
     at: int = 3  # item 3 is step 1's second micro-batch
@@ -162,9 +163,11 @@ def _run_case(
         try:
             if wrap:
                 dataset = read[0][1] if read else None  # behind failing(): not found alone
+                seq_length = 2 * S if case.data == "schedule" else S  # the schedule's: S
                 loop = megapack.lockstep_steps(
-                    data if vp else data[0], micro_batches=M, timeout=TIMEOUT, dataset=dataset
-                )
+                    data if vp else data[0], micro_batches=M, timeout=TIMEOUT, dataset=dataset,
+                    seq_length=seq_length, micro_batch_size=1,
+                )  # fmt: skip
                 for step_iterator in loop:
                     schedule(data_iterator=step_iterator)
                     done += 1
@@ -194,7 +197,11 @@ def expect(case: Case, outcomes: list[dict[str, Any]], *, steps: int) -> None:
     assert [o["steps"] for o in outcomes] == [steps] * len(outcomes), (where, outcomes)
     for o in outcomes:
         assert o["seconds"] < steps * 20 + TIMEOUT + 5, (where, o)
-        if case.data in ("error", "bad"):
+        if case.data == "schedule":  # named before any p2p, on every rank
+            want = f"pass seq_length={S}, micro_batch_size=1 to the schedule"
+            assert o["kind"] == ("ValueError" if o["source"] else "RemoteDataError"), (where, o)
+            assert want in o["message"] and f"seq_length={2 * S}" in o["message"], (where, o)
+        elif case.data in ("error", "bad"):
             if o["rank"] == case.fail:
                 own = "OSError" if case.data == "error" else "ValueError"
                 assert o["kind"] == own, (where, o)
@@ -228,6 +235,8 @@ def check_common(cases: list[Case], results: list[list[dict[str, Any]]]) -> None
             assert not any(o["warnings"] for o in outcomes), outcomes
         elif case.data in ("error", "bad"):
             expect(case, outcomes, steps=1)
+        elif case.data == "schedule":
+            expect(case, outcomes, steps=0)
         elif case.data == "partial":
             expect(case, outcomes, steps=2)
             for o in outcomes:  # the sources say what was left, and that the dataset is built for 1
@@ -237,7 +246,7 @@ def check_common(cases: list[Case], results: list[list[dict[str, Any]]]) -> None
 
 @pytest.mark.parametrize(
     ("tp", "pp", "cases"),
-    [(2, 2, [TRAIN_END, TRAIN_ERROR, EVAL_PARTIAL, EVAL_ERROR]),
+    [(2, 2, [TRAIN_END, TRAIN_ERROR, EVAL_PARTIAL, EVAL_ERROR, Case("schedule", "schedule")]),
      (1, 4, [Case("eval-end", "end", forward_only=True), TRAIN_ERROR,
              Case("train-error-middle", "error", fail=2), EVAL_PARTIAL])],
     ids=["tp2-pp2", "tp1-pp4"],

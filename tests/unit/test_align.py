@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megapack import align_by_kind
+from megapack.packing import align_by_kind
 
 
 def kind_of(mb: tuple[str, int]) -> str:

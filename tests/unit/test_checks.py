@@ -46,10 +46,10 @@ def test_check_seconds() -> None:
 
 
 def test_public_functions_agree_on_exception_types() -> None:
-    from megapack import PackedBatch, align_by_kind
+    from megapack import PackedBatch
     from megapack.data import PackedDataset, documents_from_eos, split_document
     from megapack.data.document import Document
-    from megapack.packing import plan
+    from megapack.packing import align_by_kind, plan
 
     doc = Document(tokens=[1, 2, 3], loss_mask=[1, 1, 1])
     wrong_type = [

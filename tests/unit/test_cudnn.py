@@ -14,16 +14,14 @@ import torch
 from megapack.attention import choice
 from megapack.attention.choice import Installed, choose, preference, refusal
 from megapack.attention.cudnn import (
-    UIDS,
     CudnnUnavailable,
     GraphShape,
     batch_class,
-    describe,
-    frontend,
     offsets_of,
     seqlen_class,
     unavailable,
 )
+from megapack.attention.cudnn_graph import UIDS, describe, frontend
 from megapack.attention.documents import Documents
 from megapack.attention.kernels import KERNELS, attend
 from megapack.attention.varlen import VarlenForm

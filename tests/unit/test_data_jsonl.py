@@ -17,9 +17,9 @@ from megapack.data import (
     ByteTokenizer,
     ChatTemplate,
     Document,
-    JsonlStats,
     read_jsonl,
 )
+from megapack.data.jsonl import JsonlStats
 
 EOS = ByteTokenizer.EOS
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megapack.data import ByteTokenizer, JsonlReader, read_documents
+from megapack.data import ByteTokenizer, read_documents
+from megapack.data.jsonl import JsonlReader
 
 EOS = ByteTokenizer.EOS
 

@@ -14,8 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megapack import BatchField, PackedBatch, Topology, align_by_kind, get_batch_on_this_tp_rank
+from megapack import BatchField, PackedBatch, Topology, get_batch_on_this_tp_rank
 from megapack.core.fields import Stage, schema_of
+from megapack.packing import align_by_kind
 from megapack.packing.align import has_rows, zero_loss
 
 ADV = BatchField("advantages", "token", torch.float32, "last", at="label")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from megapack import LOSS_FIELDS, PackedBatch
+from megapack import LOSS_FIELDS, PackedBatch, with_loss_fields
 from megapack.core.cp_share import CP_LAYOUTS, cp_indices, take_share
 from megapack.core.fields import schema_of
 from megapack.core.intake import to_batch
@@ -24,7 +24,7 @@ from megapack.core.loss_fields import (
     step_loss_fields,
     token_documents,
 )
-from megapack.data import Document, PackedDataset, PackWriter, step_batches, with_loss_fields
+from megapack.data import Document, PackedDataset, PackWriter, step_batches
 from megapack.harness.gpt import packed_micro_batch, padded_micro_batch
 from megapack.packing import Piece
 from megapack.testing.host_reads import host_reads

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from megapack import PackedBatch, Stage, Topology, get_batch_on_this_tp_rank
+from megapack import PackedBatch, Topology, get_batch_on_this_tp_rank
 from megapack.core.batch import make_packed_seq_params
+from megapack.core.fields import Stage
 
 S = 8
 

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megapack.bench.datasets import bundled_lengths_path
-from megapack.packing import l1_bound, l2_bound, lower_bound
+from megapack.packing import lower_bound
+from megapack.packing.bounds import l1_bound, l2_bound
 
 OPENCHAT = bundled_lengths_path()  # package data: always there, never skipped
 

@@ -161,7 +161,7 @@ def test_zero_length_documents_take_no_cp_position_and_no_loss_weight(layout: st
     per_token = torch.arange(16, dtype=torch.float32)[None]
     plain = {**values, "packed_seq_params": None, **fields_of}
     padded = {**pad_static({**values, **fields_of}, shape), "packed_seq_params": None}
-    for mode in megapack.LOSS_MODES:
+    for mode in megapack.megatron.LOSS_MODES:
         for per_token_loss in (False, True):
             a = normalized_loss(
                 plain, per_token, mode=mode, calculate_per_token_loss=per_token_loss

@@ -242,3 +242,47 @@ def test_agree_rules_dataset_steps_against_the_schedule() -> None:
     assert (
         len(errors) == 1 and "every loss denominator would be wrong" in errors[0] and cautions == []
     )
+
+
+# ---- the schedule's seq_length and micro_batch_size
+
+
+def test_schedule_shape_of_every_kind_of_item() -> None:
+    import torch
+
+    from megapack.delivery.agreement import schedule_shape
+
+    row = megapack.PackedBatch.from_documents([[1, 2, 3], [4, 5]], seq_len=8)
+    two_rows = megapack.PackedBatch.concat([row, row])
+    assert schedule_shape(two_rows) == (16, 1, True)  # one [1, 2 x seq_len] row
+    sft = {
+        "tokens": torch.zeros(2, 8, dtype=torch.long),
+        "cu_seqlens": torch.tensor([[0, 8], [0, 8]]),
+    }
+    assert schedule_shape(sft) == (16, 1, True)  # Megatron SFT rows merge into one THD row
+    assert schedule_shape({"tokens": torch.zeros(4, 8, dtype=torch.long)}) == (8, 4, False)
+    delivered = megapack.get_batch_on_this_tp_rank(iter([two_rows]), topology=ONE)
+    assert schedule_shape(delivered, cp_size=2) == (32, 1, True)  # a CP share of a 32-token row
+    assert schedule_shape({"tokens": None, "packed_seq_params": object()}) is None  # a middle stage
+
+
+def test_a_schedule_of_another_shape_is_named_before_the_step() -> None:
+    ds = PackedDataset(documents(8), 16, rows_per_micro_batch=2, micro_batches=2)
+    with pytest.raises(
+        ValueError,
+        match=r"micro-batch 0 of step 0: the schedule's seq_length=16, micro_batch_size=2 do not "
+        r"fit it: a packed micro-batch is one \[1, 32\] row .* pass seq_length=32, "
+        r"micro_batch_size=1 to the schedule",
+    ):
+        next(lockstep_steps(ds.iterate(), micro_batches=2, topology=ONE, seq_length=16,
+                            micro_batch_size=2))  # fmt: skip
+    good = lockstep_steps(ds.iterate(), micro_batches=2, topology=ONE, seq_length=32,
+                          micro_batch_size=1)  # fmt: skip
+    assert len(items(next(good))) == 2
+    with pytest.raises(
+        ValueError, match="give the schedule's seq_length and micro_batch_size together"
+    ):
+        lockstep_steps(ds.iterate(), micro_batches=2, topology=ONE, seq_length=32)
+    with pytest.raises(TypeError, match="seq_length must be an int"):
+        lockstep_steps(ds.iterate(), micro_batches=2, topology=ONE, seq_length=32.0,  # type: ignore[arg-type]
+                       micro_batch_size=1)  # fmt: skip

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megapack import Stage, Topology
+from megapack import Topology
+from megapack.core.fields import Stage
 
 
 def topo(
