@@ -47,6 +47,7 @@ def __getattr__(name: str) -> Any:
         return align_by_kind
     raise AttributeError(f"module 'megapack.packing' has no attribute {name!r}")
 
+
 __all__ = [
     "ALGORITHMS",
     "LONG_DOC_POLICIES",
