@@ -359,6 +359,11 @@ def _installed() -> Installed:
     return Installed.find()
 
 
+def installed_here() -> Installed:
+    """This process's `Installed`, found once."""
+    return _installed()
+
+
 @functools.cache
 def _log_choice(
     name: str, device_type: str, dtype: torch.dtype, training: bool, dropout: float, why: str

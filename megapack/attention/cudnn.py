@@ -37,7 +37,6 @@ with the reason logged once; an explicit ``backend="cudnn"`` raises it.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -47,8 +46,6 @@ import torch
 from megapack.attention.cudnn_graph import (
     CudnnUnavailable,
     GraphShape,
-    cudnn_version,
-    frontend,
     graph,
 )
 from megapack.attention.documents import Documents
@@ -58,10 +55,6 @@ __all__ = ["CudnnUnavailable", "GraphShape", "cudnn_attention", "offsets_of", "s
 
 FRONTEND_PIN = "1.28.0"
 """The nvidia-cudnn-frontend release megapack is built against (``megapack[cudnn]``)."""
-MIN_CUDNN = 90600
-"""cuDNN 9.6: int64 ragged offsets, ragged backward on Hopper."""
-HALF = (torch.float16, torch.bfloat16)
-logger = logging.getLogger("megapack.attention")
 
 
 def batch_class(n: int) -> int:
@@ -149,23 +142,17 @@ def offsets_of(docs: Documents, shape: GraphShape) -> Offsets:
 def unavailable(
     device: torch.device, dtype: torch.dtype, head_dim: int | None = None
 ) -> str | None:
-    """Why the cudnn backend cannot run here (None: it can); cheap, checked before any graph."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return "cudnn runs on CUDA only"
-    module = frontend()
-    if module is None:
-        return f"nvidia-cudnn-frontend is not installed (pip install nvidia-cudnn-frontend=={FRONTEND_PIN})"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        return f"cuDNN's ragged (THD) attention needs sm90 or newer; this GPU is sm{major}{minor}"
-    version = cudnn_version()
-    if version is None or version < MIN_CUDNN:
-        return f"cuDNN {version} is older than 9.6 (ragged offsets of int64)"
-    if dtype not in HALF:
-        return "cuDNN's fused attention takes float16/bfloat16 only"
-    if head_dim is not None and (head_dim % 8 or head_dim > 256):
-        return f"cuDNN's fused attention needs a head dim that is a multiple of 8 and <= 256, got {head_dim}"
-    return None
+    """Why the cudnn backend cannot run here (None: it can): `megapack.attention.choice`'s rule
+    for it (CUDA, the frontend, sm90+, cuDNN >= 9.6, float16/bfloat16), and the head dims cuDNN's
+    fused attention takes. Cheap; checked before any graph is built."""
+    from megapack.attention.choice import installed_here, refusal
+
+    why = refusal(
+        "cudnn", device.type, dtype, training=True, dropout=0.0, installed=installed_here()
+    )
+    if why is None and head_dim is not None and (head_dim % 8 or head_dim > 256):
+        why = f"cuDNN's fused attention needs a head dim that is a multiple of 8 and <= 256, got {head_dim}"
+    return why
 
 
 def cudnn_attention(

@@ -64,19 +64,6 @@ def frontend() -> Any:
     return cudnn
 
 
-@functools.cache
-def cudnn_version() -> int | None:
-    """The cuDNN backend's version as an int (9.19.0 -> 91900), or None without cuDNN."""
-    module = frontend()
-    if module is not None:
-        try:
-            return int(module.backend_version())
-        except Exception:  # the frontend could not find libcudnn: ask torch
-            pass
-    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    return None if version is None else int(version)
-
-
 class Graph:
     """A built cuDNN graph, its tensors' uids by name and its workspace size."""
 
