@@ -134,8 +134,10 @@ def main(argv: list[str] | None = None) -> None:
     model = model_provider(args, vocab_size, seq_length)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     schedule = get_forward_backward_func()
+    # the TP sources read and check each step ahead (as get_batch will, so the same fields=)
     steps = megapack.lockstep_steps(data_iterator, micro_batches=num_microbatches,
-                                    seq_length=seq_length, micro_batch_size=1)  # fmt: skip
+                                    seq_length=seq_length, micro_batch_size=1,
+                                    fields=megapack.LOSS_FIELDS)  # fmt: skip
     for iteration, step_iterator in zip(range(args.steps), steps, strict=False):
         model.zero_grad_buffer()
         optimizer.zero_grad()

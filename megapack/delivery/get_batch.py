@@ -53,7 +53,7 @@ _warned_ignored: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _SourceOptions:
+class SourceOptions:
     """How the TP source turns an item into what it sends (see get_batch_on_this_tp_rank's Args)."""
 
     cp_layout: CpLayout
@@ -126,14 +126,15 @@ def get_batch_on_this_tp_rank(
             raises its own error (e.g. ValueError naming the bad field, row and value).
         CollectiveError: when a TP peer is stuck past the timeout or has crashed.
     """
-    if cp_layout is not None and cp_layout not in CP_LAYOUTS:
-        raise ValueError(f"cp_layout must be one of {CP_LAYOUTS} or None, got {cp_layout!r}")
-    if packed is not None and not isinstance(packed, bool):
-        raise TypeError(f"packed must be True, False or None, got {packed!r}")
-    if static is not None and not isinstance(static, StaticShape):
-        raise TypeError(f"static must be a megapack.StaticShape or None, got {static!r}")
-    schema = schema_of(fields)
     topo = topology if topology is not None else Topology.from_parallel_state()
+    schema, options = source_options(
+        topo,
+        cp_layout=cp_layout,
+        sequence_parallel=sequence_parallel,
+        packed=packed,
+        fields=fields,
+        static=static,
+    )
     if topo.tp_group is not None and debug_sync_enabled():
         calls = _calls.setdefault(topo.tp_group, [0])
         check_in_sync(
@@ -147,14 +148,66 @@ def get_batch_on_this_tp_rank(
     if data_iterator is not None and not topo.is_source:
         warn_ignored_iterator(topo, "get_batch_on_this_tp_rank")
     if topo.is_source:
-        options = _SourceOptions(
-            cp_layout=topo.cp_layout if cp_layout is None else cp_layout,
-            sequence_parallel=sequence_parallel,
-            packed=packed,
-            static=static,
-        )
         return _send(data_iterator, topo, schema, transport, timeout, options)
     return _receive(topo, schema, transport, timeout)
+
+
+def source_options(
+    topo: Topology,
+    *,
+    cp_layout: CpLayout | None = None,
+    sequence_parallel: bool = False,
+    packed: bool | None = None,
+    fields: Sequence[BatchField] = (),
+    static: StaticShape | None = None,
+) -> tuple[Schema, SourceOptions]:
+    """The schema and source options of `get_batch_on_this_tp_rank`'s keyword arguments, checked.
+
+    Raises:
+        ValueError, TypeError: an argument of the wrong value or type, named.
+    """
+    if cp_layout is not None and cp_layout not in CP_LAYOUTS:
+        raise ValueError(f"cp_layout must be one of {CP_LAYOUTS} or None, got {cp_layout!r}")
+    if packed is not None and not isinstance(packed, bool):
+        raise TypeError(f"packed must be True, False or None, got {packed!r}")
+    if static is not None and not isinstance(static, StaticShape):
+        raise TypeError(f"static must be a megapack.StaticShape or None, got {static!r}")
+    options = SourceOptions(
+        cp_layout=topo.cp_layout if cp_layout is None else cp_layout,
+        sequence_parallel=sequence_parallel,
+        packed=packed,
+        static=static,
+    )
+    return schema_of(fields), options
+
+
+def source_batch(item: Any, topo: Topology, schema: Schema, options: SourceOptions) -> Batch:
+    """What the TP source sends of one data-iterator item: checked (`to_batch`), padded to the
+    static shape, bucket-planned where declared, and this CP rank's share of it.
+
+    `megapack.lockstep_steps` runs it on each item it reads ahead, so that a bad batch stops every
+    rank before the step instead of inside the schedule.
+
+    Raises:
+        TypeError, ValueError: the item breaks the batch contract (field, row and value named).
+    """
+    batch = to_batch(item, schema, packed=options.packed)
+    if options.static is not None and batch.form == BatchForm.PACKED:
+        batch = Batch(batch.form, pad_static(batch.values, options.static))
+    if _plans_buckets(schema, batch):
+        batch = Batch(batch.form, with_bucket_plan(batch.values))
+    _check_hybrid_cp(batch, topo)
+    values = take_share(
+        batch.values,
+        schema.by_stage[topo.stage],
+        packed=batch.form == BatchForm.PACKED,
+        cp_size=topo.cp_size,
+        cp_rank=topo.cp_rank,
+        layout=options.cp_layout,
+        tp_size=topo.tp_size,
+        sequence_parallel=options.sequence_parallel,
+    )
+    return Batch(batch.form, values)
 
 
 def warn_ignored_iterator(topo: Topology, caller: str) -> None:
@@ -177,7 +230,7 @@ def _send(
     schema: Schema,
     transport: Transport,
     timeout: float | None,
-    options: _SourceOptions,
+    options: SourceOptions,
 ) -> dict[str, Any]:
     error: Exception | None = None
     pieces: list[torch.Tensor] = []
@@ -185,23 +238,8 @@ def _send(
         if data_iterator is None:
             header = _without_iterator(topo, schema, options)
         else:
-            batch = to_batch(next(data_iterator), schema, packed=options.packed)
-            if options.static is not None and batch.form == BatchForm.PACKED:
-                batch = Batch(batch.form, pad_static(batch.values, options.static))
-            if _plans_buckets(schema, batch):
-                batch = Batch(batch.form, with_bucket_plan(batch.values))
-            _check_hybrid_cp(batch, topo)
-            values = take_share(
-                batch.values,
-                schema.by_stage[topo.stage],
-                packed=batch.form == BatchForm.PACKED,
-                cp_size=topo.cp_size,
-                cp_rank=topo.cp_rank,
-                layout=options.cp_layout,
-                tp_size=topo.tp_size,
-                sequence_parallel=options.sequence_parallel,
-            )
-            header, pieces = encode(Batch(batch.form, values), schema, topo.stage)
+            batch = source_batch(next(data_iterator), topo, schema, options)
+            header, pieces = encode(batch, schema, topo.stage)
     except StopIteration:
         header = signal(Status.STOP, topo.stage, schema)
     except Exception as exc:
@@ -255,7 +293,7 @@ def _check(header: Header, payload: torch.Tensor, topo: Topology, schema: Schema
         )
 
 
-def _without_iterator(topo: Topology, schema: Schema, options: _SourceOptions) -> Header:
+def _without_iterator(topo: Topology, schema: Schema, options: SourceOptions) -> Header:
     """A middle stage of plain pretraining has no dataset: the all-None batch. Anything else is an error."""
     if topo.stage == Stage.MIDDLE and not options.packed:
         return Header(

@@ -21,8 +21,10 @@ before any p2p of the step:
                                            nothing is read), on every rank
     data ended on some source           -> StopIteration on every rank, the same step; a source
       (after k < M items: a warning)       that still had a whole step warns that it stops early
-    a source's iterator raised          -> that rank re-raises its error; every other rank raises
-                                           RemoteDataError naming it, the step and the message
+    a source's iterator raised, or an   -> that rank re-raises its error; every other rank raises
+      item it read fails the checks        RemoteDataError naming it, the step and the message
+      get_batch_on_this_tp_rank's source
+      will make (``check=True``)
 
 Ranks that read nothing (TP peers, a middle stage without a dataset) always say "have it", so
 they never stop anyone. With virtual pipelining, pass the list of per-chunk iterators Megatron's
@@ -56,8 +58,14 @@ import torch.distributed as dist
 
 from megapack.core.checks import check_int
 from megapack.core.errors import RemoteDataError
+from megapack.core.fields import Schema
 from megapack.delivery.agreement import first_step_agreement, local_problems, schedule_mismatch
-from megapack.delivery.get_batch import warn_ignored_iterator
+from megapack.delivery.get_batch import (
+    SourceOptions,
+    source_batch,
+    source_options,
+    warn_ignored_iterator,
+)
 from megapack.delivery.prefetch import Prefetcher
 from megapack.distributed import sync
 from megapack.distributed.groups import control_group
@@ -76,6 +84,8 @@ def lockstep_steps(
     dataset: Any = None,
     seq_length: int | None = None,
     micro_batch_size: int | None = None,
+    check: bool = True,
+    **options: Any,
 ) -> StepLockstep:
     """Steps of ``micro_batches`` items that every rank of ``group`` starts or stops together.
 
@@ -103,6 +113,15 @@ def lockstep_steps(
             ``seq_length=T`` (rows x seq_len) and ``micro_batch_size=1``; a plain [b, s] batch
             ``seq_length=s``, ``micro_batch_size=b``. A mismatch is a ValueError on the reading
             rank naming both and the values to pass (`RemoteDataError` on the others).
+        check: check each micro-batch a TP source reads as `get_batch_on_this_tp_rank`'s source
+            will (its fields, rows and values; the static cap; the CP share), before the step,
+            so that a bad batch stops every rank there instead of failing inside the schedule
+            while later stages wait for activations. False: the items are not megapack batches
+            (a forward step of your own reads them). A prefetcher's batches are already checked.
+        **options: the keyword arguments the forward step passes to
+            `get_batch_on_this_tp_rank` (``fields``, ``packed``, ``static``, ``cp_layout``,
+            ``sequence_parallel``), for the check: pass the same (a declared field not passed
+            here is an undeclared key to the check).
 
     Returns:
         A `StepLockstep`: iterate it to get each step's data iterator (a `StepIterator` where
@@ -121,6 +140,8 @@ def lockstep_steps(
         dataset=dataset,
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
+        check=check,
+        **options,
     )
 
 
@@ -182,6 +203,8 @@ class StepLockstep:
         dataset: Any = None,
         seq_length: int | None = None,
         micro_batch_size: int | None = None,
+        check: bool = True,
+        **options: Any,
     ) -> None:
         self.micro_batches = check_int("micro_batches", micro_batches, minimum=1)
         if (seq_length is None) != (micro_batch_size is None):
@@ -227,6 +250,14 @@ class StepLockstep:
                 f"pipelining has vp_size={topo.vp_size} model chunks: give one per chunk"
             )
         self._topo, self._chunked, self._group, self._timeout = topo, chunked, group, timeout
+        if not isinstance(check, bool):
+            raise TypeError(f"lockstep_steps: check must be True or False, got {check!r}")
+        try:  # checked on every rank, so a wrong option stops every rank here
+            self._source: tuple[Schema, SourceOptions] | None = source_options(topo, **options)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"lockstep_steps: {exc}") from None
+        if not check:
+            self._source = None
         self._chunks = [_Chunk(it, _reads(it, topo)) for it in entries]
         if any(it is not None and not c.reads for it, c in zip(entries, self._chunks, strict=True)):
             warn_ignored_iterator(topo, "lockstep_steps")
@@ -307,10 +338,13 @@ class StepLockstep:
                 continue
             assert chunk.iterator is not None
             try:
+                checks = self._source is not None and not isinstance(chunk.iterator, Prefetcher)
                 while len(items) < self.micro_batches:
                     items.append(next(chunk.iterator))
                     if self._schedule is not None:
                         self._check_shape(items[-1], len(items) - 1)
+                    if checks:
+                        self._check_batch(items[-1], len(items) - 1)
             except StopIteration:
                 if items:
                     where = f" (model chunk {index})" if self._chunked else ""
@@ -330,6 +364,19 @@ class StepLockstep:
         problem = schedule_mismatch(item, *self._schedule, cp_size=self._topo.cp_size)
         if problem is not None:
             raise ValueError(f"lockstep_steps: micro-batch {index} of step {self.step}: {problem}")
+
+    def _check_batch(self, item: Any, index: int) -> None:
+        """The error `get_batch_on_this_tp_rank`'s source would raise on ``item``, raised now."""
+        assert self._source is not None
+        try:
+            source_batch(item, self._topo, *self._source)
+        except Exception as exc:
+            exc.add_note(
+                f"megapack.lockstep_steps: micro-batch {index} of step {self.step}, checked before "
+                "the step as get_batch_on_this_tp_rank's source will (check=False: not a "
+                "megapack batch; pass get_batch's fields=/packed=/static= here too)"
+            )
+            raise
 
     def _check_taken(self) -> None:
         """ValueError when the schedule took fewer items of the last step than it held."""

@@ -6,8 +6,8 @@ tp 2 x pp 2 and tp 1 x pp 4, the interleaved schedule at tp 1 x pp 2 with 2 virt
 tp 1 x pp 2 x dp 2; training and ``forward_only`` evaluation; the README's wiring (a
 `PackedDataset` iterated on the TP source of every stage, `get_batch_on_this_tp_rank` in the
 forward step) and `megapack.prefetch`. Faults: the data ends at a step boundary or mid-step, a TP
-source's iterator raises mid-step (on the first or on a middle stage), a bad batch (through
-prefetch), DP ranks with different numbers of steps. Every rank must end the same way: the same
+source's iterator raises mid-step (on the first or on a middle stage), a bad batch (read ahead
+and checked by lockstep_steps, or through prefetch), DP ranks with different numbers of steps. Every rank must end the same way: the same
 number of steps, then the loop's end (StopIteration) everywhere, or the source's own error there
 and `RemoteDataError` naming it on every other rank, within megapack's timeout.
 
@@ -51,7 +51,7 @@ class Case:
     name: str
     data: str
     """"end": 3 whole steps; "partial": 5 micro-batches; "uneven": DP rank 0 3 steps, others 2;
-    "error": an OSError at item ``at`` on rank ``fail``; "bad": a bad batch there (prefetch);
+    "error": an OSError at item ``at`` on rank ``fail``; "bad": a bad batch there;
     "schedule": 3 whole steps, but lockstep_steps told a schedule seq_length of 2 rows."""
     forward_only: bool = False
     fail: int = 0
@@ -248,7 +248,8 @@ def check_common(cases: list[Case], results: list[list[dict[str, Any]]]) -> None
     ("tp", "pp", "cases"),
     [(2, 2, [TRAIN_END, TRAIN_ERROR, EVAL_PARTIAL, EVAL_ERROR, Case("schedule", "schedule")]),
      (1, 4, [Case("eval-end", "end", forward_only=True), TRAIN_ERROR,
-             Case("train-error-middle", "error", fail=2), EVAL_PARTIAL])],
+             Case("train-error-middle", "error", fail=2), EVAL_PARTIAL,
+             Case("train-bad-middle", "bad", fail=2)])],
     ids=["tp2-pp2", "tp1-pp4"],
 )  # fmt: skip
 def test_schedule_lockstep_1f1b_ends_every_rank_alike(

@@ -6,12 +6,14 @@ agreement across ranks: tests/functional/test_lockstep_agreement.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
 import megapack
@@ -44,7 +46,7 @@ def failing(n: int, at: int) -> Iterator[int]:
 
 
 def test_lockstep_steps_yield_whole_steps_in_order_then_stop() -> None:
-    steps = lockstep_steps(iter(range(6)), micro_batches=2, topology=ONE)
+    steps = lockstep_steps(iter(range(6)), micro_batches=2, topology=ONE, check=False)
     assert take(steps) == [[0, 1], [2, 3], [4, 5]]
     assert steps.step == 3
     with pytest.raises(StopIteration):  # and again: it stays ended
@@ -53,20 +55,22 @@ def test_lockstep_steps_yield_whole_steps_in_order_then_stop() -> None:
 
 def test_lockstep_steps_partial_last_step_warns_with_the_count_left() -> None:
     with pytest.warns(UserWarning, match=r"ended after 2 of step 1's 3 micro-batches: the partial step is not run \(2 micro-batch\(es\) left unused\)"):  # fmt: skip
-        assert take(lockstep_steps(iter(range(5)), micro_batches=3, topology=ONE)) == [[0, 1, 2]]
+        assert take(lockstep_steps(iter(range(5)), micro_batches=3, topology=ONE, check=False)) == [
+            [0, 1, 2]
+        ]
 
 
 def test_lockstep_steps_whole_end_gives_no_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert take(lockstep_steps(iter(range(4)), micro_batches=2, topology=ONE)) == [
+        assert take(lockstep_steps(iter(range(4)), micro_batches=2, topology=ONE, check=False)) == [
             [0, 1],
             [2, 3],
         ]
 
 
 def test_lockstep_steps_a_failing_iterator_raises_its_own_error_then_ends() -> None:
-    steps = lockstep_steps(failing(6, 3), micro_batches=2, topology=ONE)
+    steps = lockstep_steps(failing(6, 3), micro_batches=2, topology=ONE, check=False)
     assert items(next(steps)) == [0, 1]  # type: ignore[arg-type]
     with pytest.raises(OSError, match="bad shard at 3") as caught:
         next(steps)
@@ -76,7 +80,7 @@ def test_lockstep_steps_a_failing_iterator_raises_its_own_error_then_ends() -> N
 
 
 def test_lockstep_steps_schedule_taking_fewer_items_is_an_error_at_the_next_step() -> None:
-    steps = lockstep_steps(iter(range(8)), micro_batches=3, topology=ONE)
+    steps = lockstep_steps(iter(range(8)), micro_batches=3, topology=ONE, check=False)
     first = next(steps)
     assert next(first) == 0  # type: ignore[call-overload]
     with pytest.raises(ValueError, match=r"the schedule took 1 of step 0's 3 micro-batches on rank 0; the rest would be lost"):  # fmt: skip
@@ -84,7 +88,7 @@ def test_lockstep_steps_schedule_taking_fewer_items_is_an_error_at_the_next_step
 
 
 def test_lockstep_steps_schedule_asking_for_more_items_is_an_error() -> None:
-    step = next(lockstep_steps(iter(range(8)), micro_batches=2, topology=ONE))
+    step = next(lockstep_steps(iter(range(8)), micro_batches=2, topology=ONE, check=False))
     assert isinstance(step, StepIterator) and [next(step), next(step)] == [0, 1] and len(step) == 0
     with pytest.raises(ValueError, match=r"asked for micro-batch 3 of step 0, which holds 2: pass the schedule's num_microbatches"):  # fmt: skip
         next(step)
@@ -94,7 +98,9 @@ def test_lockstep_steps_read_every_chunk_of_a_virtual_pipeline() -> None:
     topo = megapack.Topology(
         tp_group=None, tp_ranks=(0,), tp_rank=0, pp_size=2, vp_stage=0, vp_size=2
     )
-    steps = lockstep_steps([iter(range(4)), iter(range(10, 13))], micro_batches=2, topology=topo)
+    steps = lockstep_steps(
+        [iter(range(4)), iter(range(10, 13))], micro_batches=2, topology=topo, check=False
+    )
     first = next(steps)
     assert isinstance(first, list) and [items(c) for c in first] == [[0, 1], [10, 11]]  # type: ignore[arg-type]
     with (
@@ -286,3 +292,75 @@ def test_a_schedule_of_another_shape_is_named_before_the_step() -> None:
     with pytest.raises(TypeError, match="seq_length must be an int"):
         lockstep_steps(ds.iterate(), micro_batches=2, topology=ONE, seq_length=32.0,  # type: ignore[arg-type]
                        micro_batch_size=1)  # fmt: skip
+
+
+# ------------------------------------------------------------------ checking batches before the step
+
+
+def broken_at(batches: Iterator[Any], at: int) -> Iterator[Any]:
+    """``batches`` with item ``at``'s boundaries out of order (what get_batch refuses)."""
+    for i, item in enumerate(batches):
+        if i == at:
+            item = dataclasses.replace(
+                item, cu_seqlens=torch.tensor([0, 6, 3, 8], dtype=torch.int32)
+            )
+        yield item
+
+
+def test_lockstep_steps_a_bad_batch_stops_before_its_step() -> None:
+    # without prefetch the source used to find it only inside the schedule (later stages waiting)
+    steps = lockstep_steps(
+        broken_at(PackedDataset(documents(6), 8).iterate(), 3), micro_batches=2, topology=ONE
+    )
+    assert len(items(next(steps))) == 2  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cu_seqlens") as caught:
+        next(steps)
+    assert any(
+        "micro-batch 1 of step 1, checked before the step" in n for n in caught.value.__notes__
+    )
+    with pytest.raises(RuntimeError, match="ended with an error at step 1"):
+        next(steps)
+    # check=False hands it on as it is (a forward step of the trainer's own reads it)
+    unchecked = lockstep_steps(
+        broken_at(PackedDataset(documents(6), 8).iterate(), 1),
+        micro_batches=2,
+        topology=ONE,
+        check=False,
+    )
+    assert len(items(next(unchecked))) == 2  # type: ignore[arg-type]
+
+
+def test_lockstep_steps_check_with_get_batch_s_options() -> None:
+    loss = PackedDataset(documents(4), 8, micro_batches=2, loss_fields=True)
+    with pytest.raises(ValueError, match=r"undeclared keys \['loss_documents', 'loss_step'\]"):
+        next(lockstep_steps(loss.iterate(), micro_batches=2, topology=ONE))
+    declared = lockstep_steps(
+        loss.iterate(), micro_batches=2, topology=ONE, fields=megapack.LOSS_FIELDS
+    )
+    assert len(items(next(declared))) == 2  # type: ignore[arg-type]
+    # a micro-batch over the static cap (3 rows of one document: 3 segments) is named before the step
+    three = PackedDataset(documents(6), 8, rows_per_micro_batch=3, micro_batches=2)
+    with pytest.raises(ValueError, match="max_segments"):
+        next(
+            lockstep_steps(
+                three.iterate(),
+                micro_batches=2,
+                topology=ONE,
+                static=megapack.StaticShape(max_segments=2, max_seqlen=8),
+            )
+        )
+    with pytest.raises(ValueError, match="packed=False"):  # packed batches, plain expected
+        next(lockstep_steps(three.iterate(), micro_batches=2, topology=ONE, packed=False))
+
+
+def test_lockstep_steps_refuse_bad_check_options_on_creation() -> None:
+    with pytest.raises(
+        TypeError, match="lockstep_steps: packed must be True, False or None, got 'yes'"
+    ):
+        lockstep_steps(iter([]), micro_batches=1, topology=ONE, packed="yes")
+    with pytest.raises(ValueError, match="lockstep_steps: cp_layout must be one of"):
+        lockstep_steps(iter([]), micro_batches=1, topology=ONE, cp_layout="rows")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'field'"):
+        lockstep_steps(iter([]), micro_batches=1, topology=ONE, field=())
+    with pytest.raises(TypeError, match="check must be True or False, got 'no'"):
+        lockstep_steps(iter([]), micro_batches=1, topology=ONE, check="no")  # type: ignore[arg-type]
