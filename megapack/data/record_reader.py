@@ -39,6 +39,7 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any, ClassVar, Self
 
+from megapack.core.checks import check_int
 from megapack.data.chat import ChatTemplate
 from megapack.data.convert import (
     DocumentBatch,
@@ -215,12 +216,9 @@ class RecordReader(Iterator[Document]):
         skip: int = 0,
         **options: Any,
     ) -> None:
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be a positive int, got {workers!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
-            raise ValueError(f"skip must be a non-negative int, got {skip!r}")
+        workers = check_int("workers", workers, minimum=1)
+        batch_size = check_int("batch_size", batch_size, minimum=1)
+        skip = check_int("skip", skip, minimum=0)
         self.source = source
         """Where the rows are (a format's ``_locate``)."""
         self.tokenizer = tokenizer

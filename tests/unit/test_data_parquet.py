@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megapack.data import BadLineError, Fields, read_documents, read_jsonl, read_table
+from megapack.data import (
+    BadLineError,
+    ByteTokenizer,
+    Fields,
+    read_documents,
+    read_jsonl,
+    read_table,
+)
+from megapack.data.jsonl import JsonlReader
 
 pa = pytest.importorskip("pyarrow", reason="install megapack[test] (pyarrow) to run these")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -143,6 +152,25 @@ def test_parquet_bad_shard_is_a_clear_error(tmp_path: Path, shard: tuple[int, in
         read_table(path, shard=shard)
     with pytest.raises(TypeError, match="shard must be a"):
         read_table(path, shard=(0, "2"))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error", "message"),
+    [
+        ("workers", 0, ValueError, "workers must be an int >= 1, got 0"),
+        ("workers", "2", TypeError, "workers must be an int >= 1, got str '2'"),
+        ("batch_size", 1.5, TypeError, "batch_size must be an int >= 1, got float 1.5"),
+        ("skip", -1, ValueError, "skip must be an int >= 0, got -1"),
+        ("skip", True, TypeError, "skip must be an int >= 0, got bool True"),
+    ],
+)
+def test_reader_options_of_the_wrong_type_or_value_are_named(
+    tmp_path: Path, option: str, value: object, error: type[Exception], message: str
+) -> None:
+    # the reader every format shares (megapack.data.record_reader), here behind JSONL
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    with pytest.raises(error, match=re.escape(message)):
+        JsonlReader(path, ByteTokenizer(), skip_bad=True, **{option: value})
 
 
 @settings(
