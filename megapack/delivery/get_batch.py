@@ -126,9 +126,8 @@ def get_batch_on_this_tp_rank(
             raises its own error (e.g. ValueError naming the bad field, row and value).
         CollectiveError: when a TP peer is stuck past the timeout or has crashed.
     """
-    topo = topology if topology is not None else Topology.from_parallel_state()
-    schema, options = source_options(
-        topo,
+    topo, schema, options = source_options(
+        topology,
         cp_layout=cp_layout,
         sequence_parallel=sequence_parallel,
         packed=packed,
@@ -153,15 +152,16 @@ def get_batch_on_this_tp_rank(
 
 
 def source_options(
-    topo: Topology,
+    topology: Topology | None,
     *,
     cp_layout: CpLayout | None = None,
     sequence_parallel: bool = False,
     packed: bool | None = None,
     fields: Sequence[BatchField] = (),
     static: StaticShape | None = None,
-) -> tuple[Schema, SourceOptions]:
-    """The schema and source options of `get_batch_on_this_tp_rank`'s keyword arguments, checked.
+) -> tuple[Topology, Schema, SourceOptions]:
+    """The topology (default: megatron-core's), schema and source options of
+    `get_batch_on_this_tp_rank`'s keyword arguments, each checked before the topology is looked up.
 
     Raises:
         ValueError, TypeError: an argument of the wrong value or type, named.
@@ -172,13 +172,15 @@ def source_options(
         raise TypeError(f"packed must be True, False or None, got {packed!r}")
     if static is not None and not isinstance(static, StaticShape):
         raise TypeError(f"static must be a megapack.StaticShape or None, got {static!r}")
+    schema = schema_of(fields)
+    topo = topology if topology is not None else Topology.from_parallel_state()
     options = SourceOptions(
         cp_layout=topo.cp_layout if cp_layout is None else cp_layout,
         sequence_parallel=sequence_parallel,
         packed=packed,
         static=static,
     )
-    return schema_of(fields), options
+    return topo, schema, options
 
 
 def source_batch(item: Any, topo: Topology, schema: Schema, options: SourceOptions) -> Batch:

@@ -253,11 +253,10 @@ class StepLockstep:
         if not isinstance(check, bool):
             raise TypeError(f"lockstep_steps: check must be True or False, got {check!r}")
         try:  # checked on every rank, so a wrong option stops every rank here
-            self._source: tuple[Schema, SourceOptions] | None = source_options(topo, **options)
+            _, schema, source = source_options(topo, **options)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"lockstep_steps: {exc}") from None
-        if not check:
-            self._source = None
+        self._source: tuple[Schema, SourceOptions] | None = (schema, source) if check else None
         self._chunks = [_Chunk(it, _reads(it, topo)) for it in entries]
         if any(it is not None and not c.reads for it, c in zip(entries, self._chunks, strict=True)):
             warn_ignored_iterator(topo, "lockstep_steps")
