@@ -5,7 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bash scripts/setup.sh
-echo "== ruff" && "$PY" -m ruff check megapack tests examples setup.py && "$PY" -m ruff format --check megapack tests examples setup.py
-echo "== mypy" && "$PY" -m mypy
+# one command a line: under `set -e` a failure inside an `a && b` list does not stop the script
+echo "== ruff"
+"$PY" -m ruff check megapack tests examples setup.py
+"$PY" -m ruff format --check megapack tests examples setup.py
+echo "== mypy"
+"$PY" -m mypy
 echo "== pytest"
 "$PY" -m pytest "$@"

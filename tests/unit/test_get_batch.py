@@ -293,7 +293,7 @@ def test_argument_checks_in_full() -> None:
         get_batch_on_this_tp_rank(iter([]), topology=Topology.single(), packed=1)  # type: ignore[arg-type]
     assert str(info.value) == "packed must be True, False or None, got 1"
     # checked before megatron-core's parallel_state is asked for a topology (none here)
-    with pytest.raises(TypeError, match="static must be a megapack.StaticShape or None, got 3"):
+    with pytest.raises(TypeError, match=r"static must be a megapack\.StaticShape or None, got 3"):
         get_batch_on_this_tp_rank(iter([]), static=3)  # type: ignore[arg-type]
 
 
