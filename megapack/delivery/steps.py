@@ -365,7 +365,10 @@ class StepLockstep:
             raise ValueError(f"lockstep_steps: micro-batch {index} of step {self.step}: {problem}")
 
     def _check_batch(self, item: Any, index: int) -> None:
-        """The error `get_batch_on_this_tp_rank`'s source would raise on ``item``, raised now."""
+        """The error `get_batch_on_this_tp_rank`'s source would raise on ``item``, raised now.
+
+        With virtual pipelining every chunk is checked with chunk 0's topology: the chunks differ
+        only in their stage, which picks the fields sent, not what makes a batch bad."""
         assert self._source is not None
         try:
             source_batch(item, self._topo, *self._source)

@@ -4,6 +4,8 @@ the plan on ``packed_seq_params`` when declared. The kernel that runs it: test_b
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,7 @@ from megapack.core.buckets import (
     BUCKET_FIELDS,
     BUCKET_NAMES,
     MAX_BUCKETS,
+    WORK_PER_SLOT,
     length_class,
     length_classes,
     plan_buckets,
@@ -113,3 +116,44 @@ def test_with_bucket_plan_reads_padded_boundaries() -> None:
     params = make_packed_seq_params(values["cu_seqlens"], values["cu_seqlens_padded"], 8,
                                     buckets=(out[BUCKET_NAMES[0]],))  # fmt: skip
     assert getattr(params, BUCKETS_ATTR)[0] is out[BUCKET_NAMES[0]]
+
+
+def test_class_boundaries_exactly_and_as_int64() -> None:
+    n = np.array([0, 1, 8, 9, 64, 65, 128, 129, 144, 145, 256, 257, 4096, 4097])
+    classes = length_classes(n)
+    assert classes.dtype == np.int64
+    assert classes.tolist() == [0, 8, 8, 16, 64, 80, 128, 144, 144, 160, 256, 288, 4096, 4608]
+
+
+def test_the_sentinel_is_total_where_given() -> None:
+    (bucket,) = plan_buckets([0, 3, 8], total=20)  # e.g. a static row longer than the documents
+    assert bucket.tolist() == [[0, 1, 2, 20, 20, 20, 20, 20], [3, 4, 5, 6, 7, 20, 20, 20]]
+
+
+def merged_by_the_rule(classes: list[int], max_buckets: int) -> list[int]:
+    """The documented merge rule, written out: while there are too many sizes, merge the two
+    neighbours whose merge adds the least work, count x (big^2 - small^2 + WORK_PER_SLOT x (big -
+    small)), the first such pair on a tie; the merged documents count at the bigger size."""
+    counts = {c: classes.count(c) for c in sorted(set(classes))}
+    while len(counts) > max_buckets:
+        sizes = list(counts)
+        work = [
+            counts[a] * (b * b - a * a + WORK_PER_SLOT * (b - a))
+            for a, b in itertools.pairwise(sizes)
+        ]
+        i = work.index(min(work))
+        counts[sizes[i + 1]] += counts.pop(sizes[i])
+    return list(counts)
+
+
+def test_merging_follows_the_rule_counts_included() -> None:
+    # many short documents and a few long ones: the cheapest merge is the last pair here
+    assert merged_by_the_rule([8] * 100 + [16] * 100 + [24, 32], 3) == [8, 16, 32]
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        lengths = rng.integers(1, 3000, rng.integers(2, 60)) // rng.integers(1, 40)
+        lengths = np.maximum(lengths, 1)
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        most = int(rng.integers(1, MAX_BUCKETS + 1))
+        want = merged_by_the_rule(length_classes(lengths).tolist(), most)
+        assert [b.shape[1] for b in plan_buckets(cu, max_buckets=most)] == want, lengths.tolist()

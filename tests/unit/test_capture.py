@@ -53,9 +53,13 @@ def test_tokens_outside_inside_and_between_captures(monkeypatch: pytest.MonkeyPa
     with faked_capture(monkeypatch):
         assert capture.capture_token() != first  # ... starts a new epoch
         second = capture.capture_token()
-    capture.new_capture_epoch()  # two captures with no eager call between them
-    with faked_capture(monkeypatch):
-        assert capture.capture_token() not in (first, second)
+    seen = [first, second]
+    for _ in range(3):  # captures in a row with no eager call between them: each says so
+        capture.new_capture_epoch()
+        with faked_capture(monkeypatch):
+            token = capture.capture_token()
+            assert token not in seen and capture.capture_token() == token
+        seen.append(token)
 
 
 def test_a_warm_up_documents_is_rebuilt_inside_a_capture_and_after_it(
@@ -187,3 +191,43 @@ def test_graph_inputs_refilled_a_b_a_give_each_pack_its_own_result() -> None:
     got = [run(inputs.load(x)) for x in (a, b, a)]
     for want, have in zip(expected, got, strict=True):
         assert torch.equal(want, have)
+
+
+def test_the_runtime_capture_id_and_its_failures(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[int] = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=77))
+    monkeypatch.setattr(capture, "_capture_query", lambda: lambda s: asked.append(s) or 42)
+    assert capture._runtime_capture_id() == 42 and asked == [77]  # the current stream's id
+
+    def broken(stream: int) -> int:
+        raise RuntimeError("driver too old")
+
+    said: list[str] = []
+    monkeypatch.setattr(capture, "_capture_query", lambda: broken)
+    monkeypatch.setattr(capture, "_warn_once", said.append)
+    assert capture._runtime_capture_id() is None  # epochs instead, and it says why
+    assert said == [
+        "cudaStreamGetCaptureInfo failed (driver too old); capture ids fall back to epochs"
+    ]
+    monkeypatch.setattr(capture, "_capture_query", lambda: None)
+    assert capture._runtime_capture_id() is None
+
+
+def test_libcudart_is_found_by_torchs_cuda_major_then_its_plain_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tried: list[str] = []
+
+    def cdll(name: str) -> str:
+        tried.append(name)
+        if name != "libcudart.so":
+            raise OSError(f"{name}: cannot open shared object file")
+        return "the library"
+
+    monkeypatch.setattr(capture.ctypes, "CDLL", cdll)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert capture._libcudart() == "the library" and tried == ["libcudart.so.13", "libcudart.so"]
+    monkeypatch.setattr(capture.ctypes, "CDLL", lambda name: tried.append(name) or name)
+    assert capture._libcudart() == "libcudart.so.13"  # the versioned name first
+    monkeypatch.setattr(capture.ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(name)))
+    assert capture._libcudart() is None

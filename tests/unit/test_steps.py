@@ -19,7 +19,7 @@ import torch.distributed as dist
 import megapack
 from megapack.data import Document, PackedDataset
 from megapack.delivery.agreement import agreement_errors
-from megapack.delivery.steps import StepIterator, lockstep_steps
+from megapack.delivery.steps import StepIterator, StepLockstep, lockstep_steps
 
 ONE = megapack.Topology.single()
 
@@ -110,6 +110,16 @@ def test_lockstep_steps_read_every_chunk_of_a_virtual_pipeline() -> None:
         next(steps)
 
 
+def test_lockstep_steps_read_the_chunks_that_have_data_only() -> None:
+    # the last pipeline rank: chunk 0 is a middle stage (no dataset), chunk 1 the last stage
+    topo = megapack.Topology(
+        tp_group=None, tp_ranks=(0,), tp_rank=0, pp_rank=1, pp_size=2, vp_stage=0, vp_size=2
+    )
+    ds = PackedDataset(documents(4), 8, micro_batches=2)
+    first = next(lockstep_steps([None, ds.iterate()], micro_batches=2, topology=topo))
+    assert isinstance(first, list) and first[0] is None and len(items(first[1])) == 2  # type: ignore[arg-type]
+
+
 def test_lockstep_steps_refuse_what_a_schedule_cannot_take() -> None:
     vp = megapack.Topology(
         tp_group=None, tp_ranks=(0,), tp_rank=0, pp_size=2, vp_stage=0, vp_size=2
@@ -128,7 +138,7 @@ def test_lockstep_steps_refuse_what_a_schedule_cannot_take() -> None:
         lockstep_steps(iter([]), micro_batches=0, topology=ONE)
     with pytest.raises(TypeError, match="micro_batches must be an int >= 1, got str"):
         lockstep_steps(iter([]), micro_batches="2", topology=ONE)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="dataset must have a settings"):
+    with pytest.raises(TypeError, match=r"dataset must have a settings\(\) method .* got list"):
         lockstep_steps(iter([]), micro_batches=1, topology=ONE, dataset=[1])
 
 
@@ -330,6 +340,19 @@ def test_lockstep_steps_a_bad_batch_stops_before_its_step() -> None:
     assert len(items(next(unchecked))) == 2  # type: ignore[arg-type]
 
 
+def test_lockstep_steps_dataset_given_is_the_one_checked() -> None:
+    # behind a generator the dataset is not found; given, its settings meet the schedule's
+    loss = PackedDataset(documents(6), 8, micro_batches=3, loss_fields=True)
+    hidden = (b for b in loss.iterate())
+    with pytest.raises(ValueError, match="its loss fields count"):
+        next(lockstep_steps(hidden, micro_batches=2, topology=ONE, dataset=loss, check=False))
+    fits = PackedDataset(documents(4), 8, micro_batches=2, loss_fields=True)
+    steps = lockstep_steps(
+        fits.iterate(), micro_batches=2, topology=ONE, dataset=fits, fields=megapack.LOSS_FIELDS
+    )
+    assert len(items(next(steps))) == 2  # type: ignore[arg-type]
+
+
 def test_lockstep_steps_check_with_get_batch_s_options() -> None:
     loss = PackedDataset(documents(4), 8, micro_batches=2, loss_fields=True)
     with pytest.raises(ValueError, match=r"undeclared keys \['loss_documents', 'loss_step'\]"):
@@ -364,3 +387,19 @@ def test_lockstep_steps_refuse_bad_check_options_on_creation() -> None:
         lockstep_steps(iter([]), micro_batches=1, topology=ONE, field=())
     with pytest.raises(TypeError, match="check must be True or False, got 'no'"):
         lockstep_steps(iter([]), micro_batches=1, topology=ONE, check="no")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["seq_length", "micro_batch_size"])
+def test_lockstep_steps_schedule_sizes_must_be_positive(name: str) -> None:
+    sizes = {"seq_length": 16, "micro_batch_size": 1} | {name: 0}
+    with pytest.raises(ValueError, match=f"^{name} must be an int >= 1, got 0$"):
+        lockstep_steps(iter([]), micro_batches=1, topology=ONE, **sizes)
+    assert lockstep_steps(iter([]), micro_batches=1, topology=ONE, **(sizes | {name: 1}))
+
+
+def test_step_lockstep_made_directly_checks_batches_too() -> None:
+    steps = StepLockstep(
+        broken_at(PackedDataset(documents(4), 8).iterate(), 0), micro_batches=2, topology=ONE
+    )
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        next(steps)
