@@ -1,17 +1,23 @@
 """A persistent pool of worker processes that runs one function on N gloo ranks (tests and ``megapack bench``).
 
 Why persistent: a fresh Python process that imports torch (~0.9 s) and megatron-core (~2 s) costs
-about 3 s of CPU, so starting 8 of them on the 2-core dev machine takes ~18 s (27 s while another
+about 3 s of CPU, so spawning 8 of them on the 2-core dev machine took ~18 s (27 s while another
 test suite ran alongside). Starting them once per test session and reusing them leaves a per-task
 overhead of ~11 ms per participating rank (measured medians: 11 ms for 1 rank, 22 ms for 2, 44 ms
 for 4, 93 ms for 8), spent in the ``init_process_group`` rendezvous and ``destroy_process_group``.
-A restart after a fault costs a full start again; ``close()`` takes ~0.2 s.
+
+Why a fork server: workers are forks of one ``forkserver`` process that imported torch, megapack
+and megatron-core's ``PackedSeqParams`` once (`megapack.harness.warm`; it starts no thread, so the
+fork is safe). The first pool of a process waits for that import (~4.7 s here); every later start
+or restart after a fault takes ~0.1-0.25 s for 4-8 workers where spawning took ~2 s (4 torch-only
+workers) to ~18 s (8 with megatron-core). The fault-injection tests, which restart their pool after
+every killed or stuck rank, went from 154 s to 81 s. ``close()`` takes ~0.2 s.
 
 Design:
   * The parent hosts a ``torch.distributed.TCPStore`` server on 127.0.0.1 (port chosen by the OS)
-    and ``size`` workers started with the ``spawn`` context (``OMP_NUM_THREADS=1``,
-    ``torch.set_num_threads(1)``) that connect to it once and import ``preload`` at start-up, all
-    in parallel.
+    and ``size`` workers started with the ``forkserver`` context (``OMP_NUM_THREADS=1``,
+    ``torch.set_num_threads(1)``) that connect to it once and import ``preload`` at start-up (what
+    the fork server did not import already), all in parallel.
   * Each task gets a fresh key prefix. Ranks ``0..world_size-1`` build a process group of exactly
     ``world_size`` ranks on ``PrefixStore(prefix, store)``, call ``fn``, then destroy megatron's
     model-parallel state (if initialised) and the process group. Other workers stay idle.
@@ -217,7 +223,10 @@ class WorkerPool:
         self.backend = backend
         self.preload = tuple(preload)
         self.pg_timeout_s = pg_timeout_s
-        self._ctx = mp.get_context("spawn")
+        self._ctx = mp.get_context("forkserver")
+        # the server imports megapack.harness.warm once; workers fork from it warm (no-op once
+        # the server runs: it is one per process)
+        self._ctx.set_forkserver_preload(["megapack.harness.warm"])
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self._store: Any = None

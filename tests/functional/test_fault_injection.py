@@ -1,7 +1,7 @@
 """Fault injection on CPU/gloo: every surviving rank ends with the specified clean stop or exception.
 
 Each case runs under a hard wall clock on a small private worker pool (cases that kill or stall a
-rank restart it, which costs ~2 s for 4 torch-only workers instead of ~18 s for the shared pool).
+rank restart it: ~0.1 s, its workers being forks of the pool's warm fork server).
 megapack's collective timeout is TIMEOUT seconds here, so "within timeout + 5 s" is checked per rank.
 """
 
