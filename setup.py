@@ -10,12 +10,17 @@ setup(
     description="Packed-sequence (THD) batches for Megatron-style tp x pp training that never hang.",
     long_description=(Path(__file__).parent / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
-    python_requires=">=3.11",  # the code uses BaseException.add_note (3.11+); CI runs 3.11
+    python_requires=">=3.11",  # the code uses BaseException.add_note (3.11+); CI runs 3.11 and 3.12
     packages=find_packages(include=["megapack", "megapack.*"]),
     package_data={"megapack.bench": ["data/*.json", "data/*.md"]},
-    install_requires=["torch>=2.4", "numpy>=1.24", "megatron-core>=0.12"],
+    # megatron-core: from the lowest release CI tests (0.16.1, Python 3.11) to the highest it runs
+    # (0.19.2, Python 3.12; 0.17 onwards need Python >= 3.12): megapack.core.megatron_release
+    install_requires=["torch>=2.4", "numpy>=1.24", "megatron-core>=0.16.1,<=0.19.2"],
     extras_require={
         "test": [
+            # the two lines CI runs, one per Python (scripts/test.sh; PYTHON=python3.12 for 0.19.2)
+            'megatron-core==0.16.1; python_version < "3.12"',
+            'megatron-core==0.19.2; python_version >= "3.12"',
             "pytest>=8",
             "pytest-timeout>=2.3",
             "hypothesis>=6",

@@ -3,11 +3,14 @@
 Without Apex or Transformer Engine, megatron-core warns once per process per module that the
 optional fused kernels are absent (4 UserWarnings for ``megatron.core``, more for a GPT model's
 modules, and as many again in every worker process) and then uses its torch fallbacks: exactly what
-megapack expects on CPU. ``TransformerConfig`` warns that its own default ``cuda_graph_scope="full"``
-is deprecated, and on CPU the linear layers recommend ``CUDA_DEVICE_MAX_CONNECTIONS=1``, a CUDA
-stream setting with no meaning there. Every megapack import or run of megatron code goes through
-`quiet_megatron`, which ignores only the messages in `HARMLESS` (the CUDA hint only when CUDA is
-absent) and only when megatron's own modules raise them; every other warning stays visible.
+megapack expects on CPU. megatron-core 0.19 also imports ``hyper_comm_grid`` on megapack's
+paths, which warns that ``absl`` is absent and logs through the standard ``logging`` instead.
+megatron-core 0.16's ``TransformerConfig`` warns that its own default ``cuda_graph_scope="full"``
+is deprecated (0.19's default is None), and on CPU the linear layers recommend
+``CUDA_DEVICE_MAX_CONNECTIONS=1``, a CUDA stream setting with no meaning there. Every megapack
+import or run of megatron code goes through `quiet_megatron`, which ignores only the messages in
+`HARMLESS` (the CUDA hint only when CUDA is absent) and only when megatron's own modules raise
+them; every other warning stays visible.
 
 Example:
     >>> with quiet_megatron():  # doctest: +SKIP
@@ -28,7 +31,13 @@ HARMLESS: tuple[tuple[str, str], ...] = (
     (r"Apex is not installed", "optional fused norm; megatron-core falls back to torch's"),
     (
         r"full scope is deprecated",
-        "TransformerConfig's own default cuda_graph_scope='full'; megapack captures no CUDA graphs",
+        "TransformerConfig's own default cuda_graph_scope='full' (megatron-core 0.16); megapack "
+        "captures no CUDA graphs through it",
+    ),
+    (
+        r"absl\.logging is not installed",
+        "hyper_comm_grid (imported on megapack's paths from megatron-core 0.19) logs through the "
+        "standard logging module instead",
     ),
 )
 """(message regex, why it is harmless) of the warnings `quiet_megatron` always ignores."""

@@ -4,18 +4,25 @@ megatron-core assumes CUDA in a handful of places on the paths a small training 
 a CPU-only torch each of them raises ``AssertionError: Torch not compiled with CUDA enabled``, except
 ``torch.cuda.manual_seed``, which is silently queued and never seeds anything. The places were
 found by running a tp=2 x pp=2 model (1F1B), tp=1 x pp=2 with virtual stages (interleaved), tp=2
-and tp=1 without pipelining, with and without ``attention_mask``, logging each redirected call.
-:func:`megatron_on_cpu` redirects exactly those places to the CPU, process-wide, and changes
-nothing else.
+and tp=1 without pipelining, with and without ``attention_mask``, logging each redirected call,
+then the whole suite on megatron-core 0.16.1 and on 0.19.2 (where a CUDA build of torch without a
+GPU raises "Found no NVIDIA driver", or "Cannot re-initialize CUDA in forked subprocess" in a
+worker, instead of the assertion). :func:`megatron_on_cpu` redirects exactly those places to the
+CPU, process-wide, and changes nothing else; the same patches serve every release from 0.16.1 to
+0.19.2 (each attribute exists in all of them).
 
 How: global ``torch`` is left alone (the real ``torch.cuda.current_device()`` still raises). Instead
 six megatron modules get their module attribute ``torch`` replaced by a *view* of torch that
-resolves every attribute to the real torch except the five below, and three megatron functions
+resolves every attribute to the real torch except the six below, and four megatron functions
 are replaced by CPU equivalents. Megatron code outside those modules, and all other code in the
 process, sees the real torch.
 
 The view (``_torch_view``) overrides:
   * ``torch.cuda.current_device()`` -> ``"cpu"``: used as ``device=`` for buffers.
+  * ``torch.cuda.current_stream()`` -> ``torch.cpu.current_stream()``, whose ``wait_event`` and
+    ``wait_stream`` do nothing: megatron-core 0.19's DDP takes the current stream in every bucket's
+    ``start_grad_sync`` to wait for CUDA-graph gradient events; on CPU there are none, and gloo
+    collectives are complete once they return.
   * ``torch.cuda.synchronize()`` -> no-op: called after batched p2p ops; gloo ops are complete
     once ``wait()`` returns.
   * ``torch.cuda.get_rng_state()`` / ``torch.cuda.manual_seed(s)`` -> the CPU default generator's:
@@ -46,7 +53,8 @@ The patches, one by one (module: attribute, why):
      and moves it to CUDA.
  10. ``distributed.param_and_grad_buffer``: ``torch`` -> view. megatron-core's
      ``DistributedDataParallel`` allocates its gradient buffers (``main_grad``) on
-     ``torch.cuda.current_device()``; with the view it runs on CPU, and ``finalize_model_grads``
+     ``torch.cuda.current_device()``, and from 0.19 every bucket's ``start_grad_sync`` takes
+     ``torch.cuda.current_stream()``; with the view it runs on CPU, and ``finalize_model_grads``
      (its all-reduce over DP x CP, the per-token loss's division) as it does on a GPU.
 
 RNG note: on CPU, megatron's "CUDA" RNG tracker and the CPU default generator become one
@@ -58,8 +66,10 @@ megatron logs a spurious "CPU RNG state changed within GPU RNG context" when a f
 
 Not covered: ``use_cpu_initialization=False`` (fails at model construction with the CUDA
 assertion: ``tensor_parallel.layers`` allocates weights on ``torch.cuda.current_device()``),
-sliding-window masks, CUDA graphs, ``use_cudagraphable_rng``, ``enable_autocast``. Sequence
-parallelism is rejected by the local spec's torch LayerNorm before any of this matters. Measured on the 2-core dev machine: building a tp=2 x pp=2
+sliding-window masks, CUDA graphs, ``use_cudagraphable_rng``, ``enable_autocast``, DDP over
+several distributed-optimizer instances with overlapped reduction (its communication stream:
+``torch.cuda.Stream``). Sequence parallelism is rejected by the local spec's torch LayerNorm
+before any of this matters. Measured on the 2-core dev machine: building a tp=2 x pp=2
 ``GPTModel`` (hidden 32, 1 layer per stage) and running 2 steps of 2 microbatches of 2 x 16 tokens
 takes ~0.3 s per rank; applying the patches takes microseconds once megatron is imported.
 
@@ -132,6 +142,7 @@ def _torch_view() -> _Overlay:
     cuda = _Overlay(
         torch.cuda,
         current_device=lambda: "cpu",
+        current_stream=torch.cpu.current_stream,
         synchronize=lambda device=None: None,
         get_rng_state=lambda device="cuda": torch.get_rng_state(),
         manual_seed=torch.manual_seed,

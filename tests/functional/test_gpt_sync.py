@@ -111,6 +111,9 @@ def test_sync_control_megatron_thd_rope_reads_the_host_in_every_layer(dist_pool:
     (results,) = dist_pool.run(functools.partial(model_path_reads, "sdpa", 1, True), 1, timeout=180)  # fmt: skip
     for got in results[1:]:
         rope = {kind: n for (module, _, kind), n in got["sites"].items() if module.endswith("rope_utils")}  # fmt: skip
-        # per layer (2), for q and for k: the lengths' .tolist() and `freqs.size(0) == cu_seqlens[-1]`
-        assert rope == {"tolist": 4, "__bool__": 4}, got["report"]
+        # per layer (2), for q and for k: the lengths' .tolist() and one read of the row's total,
+        # `freqs.size(0) == cu_seqlens[-1]` (__bool__) up to megatron-core 0.16, `.item()` in 0.19
+        total = {kind: n for kind, n in rope.items() if kind != "tolist"}
+        assert rope.get("tolist") == 4 and list(total.values()) == [4], got["report"]
+        assert set(total) <= {"__bool__", "item"}, got["report"]
         assert split(got["sites"], "megapack") == {SDPA_READ: 1}, got["report"]

@@ -80,10 +80,21 @@ def idempotence() -> dict[str, Any]:
         "n_applied": len(megatron_cpu._applied),
         "view_device": view.cuda.current_device(),
         "view_zeros_device": view.zeros(2, device="cuda").device.type,
+        "view_stream_waits": _stream_waits(view),
         "p2p_shares_view": p2p_communication.torch is view,
         "view_is_not_torch": view is not torch,
         "global_cuda_raises": global_cuda_raises,
     }
+
+
+def _stream_waits(view: Any) -> bool:
+    """The view's current stream takes megatron-core 0.19 DDP's waits and does nothing."""
+    stream = view.cuda.current_stream()
+    return (
+        stream.wait_event(object()) is None
+        and stream.wait_stream(view.cuda.current_stream()) is None
+        and view.cuda.current_stream() is stream
+    )
 
 
 def rng_streams() -> dict[str, Any]:
@@ -196,6 +207,46 @@ def train_gpt(tp: int, pp: int, causal_mask: bool) -> dict[str, Any]:
     }
 
 
+def ddp_grad_sync() -> dict[str, Any]:
+    """megatron-core's DDP on 2 DP ranks: each rank's own gradient, then the synced one."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    megatron_on_cpu()
+    parallel_state.initialize_model_parallel()  # tp = pp = 1: both ranks are DP ranks
+    model_parallel_cuda_manual_seed(SEED)  # the same weights on both ranks
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        share_embeddings_and_output_weights=False,
+    )
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    g = torch.Generator().manual_seed(dist.get_rank())  # each DP rank its own batch
+    sample = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=g)
+    position_ids = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
+    ddp.zero_grad_buffer()
+    ddp(sample[:, :-1], position_ids, mask, labels=sample[:, 1:]).float().mean().backward()
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    local = [p.main_grad.clone() for p in params]
+    ddp.finish_grad_sync()  # megatron-core 0.19: start_grad_sync takes the current stream
+    return {"local": local, "synced": [p.main_grad.clone() for p in params]}
+
+
 # ---- tests -----------------------------------------------------------------------------------
 
 
@@ -221,6 +272,7 @@ def test_idempotent_and_global_torch_untouched(dist_pool: Any) -> None:
     assert r["same_objects"] and r["applied_unchanged"]
     assert r["n_applied"] == len(megatron_cpu._patch_table()) == 10
     assert (r["view_device"], r["view_zeros_device"]) == ("cpu", "cpu")
+    assert r["view_stream_waits"]
     assert r["p2p_shares_view"] and r["view_is_not_torch"]
     assert r["global_cuda_raises"] == [True, True]  # global torch still has no CUDA
 
@@ -260,6 +312,17 @@ def test_gpt_model_trains_on_tp2_pp2(dist_pool: Any) -> None:
     assert second < first - 1e-3, f"loss did not fall: {losses}"
     # Megatron's own causal mask (attention_mask=None) must give the very same run.
     assert without_mask[2]["losses"] == losses
+
+
+@pytest.mark.distributed
+def test_megatron_ddp_averages_gradients_over_dp_ranks(dist_pool: Any) -> None:
+    ranks = dist_pool.run(ddp_grad_sync, 2, timeout=120)
+    first, second = (r["local"] for r in ranks)
+    assert not all(torch.equal(a, b) for a, b in zip(first, second, strict=True))  # two batches
+    want = [(a + b) / 2 for a, b in zip(first, second, strict=True)]  # DDP's default: the mean
+    for r in ranks:
+        for got, expected in zip(r["synced"], want, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
 
 
 def test_rope_table_share_of_a_cp_rank_is_its_zigzag_chunks() -> None:

@@ -171,10 +171,13 @@ def test_packed_dict_with_dense_attention_mask_names_the_megatron_flag() -> None
 
 
 def _fake_release(monkeypatch: pytest.MonkeyPatch, names: list[str]) -> None:
-    import megatron.core.packed_seq_params as module
+    from megapack.core.megatron_release import MegatronRelease
 
     fake = dataclasses.make_dataclass("PackedSeqParams", [(n, Any, None) for n in names])
-    monkeypatch.setattr(module, "PackedSeqParams", fake)
+    release = MegatronRelease(
+        version=(0, 0, 0), packed_seq_params=fake, packed_seq_fields=frozenset(names)
+    )  # the release megapack.core.seq_params probes once per process
+    monkeypatch.setattr("megapack.core.seq_params.megatron_release", lambda: release)
 
 
 BASE = ["qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",

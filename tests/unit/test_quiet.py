@@ -28,6 +28,8 @@ def emitted(message: str, module: str, category: type[Warning] = UserWarning) ->
         "full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
         "When using async grad allreduce it is recommended to set the environment variable "
         "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup",
+        "absl.logging is not installed. Using logging.getLogger(__name__) instead. Please install "
+        "absl.logging with `pip install absl-py` to use absl.logging.",  # megatron-core 0.19
     ],
 )
 def test_known_harmless_megatron_warnings_are_hidden(message: str) -> None:
