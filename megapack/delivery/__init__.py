@@ -2,6 +2,9 @@
 
     get_batch.py   `get_batch_on_this_tp_rank`, the one orchestrator: item -> intake -> CP share
                    -> encode (`wire`) -> transport send | transport receive -> decode
+    callers.py     the callers' conventions: Megatron-LM's, its older and Megatron-Bridge's calls
+                   of `get_batch_on_this_tp_rank`, each an adapter onto it, and their whole
+                   ``get_batch`` replacements (exported by `megapack.megatron`)
     wire.py        the frame: a header of int64 slots and the stage's fields
     transport.py   the transports (the local link is private to it: link.py, link_setup.py)
     prefetch.py    `prefetch`: the same calls ahead in a thread

@@ -23,9 +23,9 @@ once per TP group, so a script that meant each TP rank to read its own data lear
 
 from __future__ import annotations
 
-import warnings
+import logging
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,11 +38,12 @@ from megapack.core.errors import CollectiveError, ProtocolError, RemoteDataError
 from megapack.core.fields import BatchField, Schema, Stage, schema_of
 from megapack.core.intake import Batch, BatchForm, to_batch
 from megapack.core.static import StaticShape, pad_static
+from megapack.delivery import callers
 from megapack.delivery.transport import Transport, transport_for
 from megapack.delivery.wire import Header, Status, decode, encode, header_bytes, signal
 from megapack.distributed.groups import control_group
 from megapack.distributed.sync import check_in_sync, debug_sync_enabled
-from megapack.distributed.topology import Topology
+from megapack.distributed.topology import Topology, resolve_topology
 
 __all__ = ["get_batch_on_this_tp_rank"]
 
@@ -63,17 +64,26 @@ class SourceOptions:
 
 
 def get_batch_on_this_tp_rank(
-    data_iterator: Iterator[Any] | None,
-    *,
+    data_iterator: Iterator[Any] | Mapping[str, Any] | None,
+    *caller_args: Any,
     topology: Topology | None = None,
+    pg_collection: Any = None,
     timeout: float | None = None,
     cp_layout: CpLayout | None = None,
     sequence_parallel: bool = False,
     packed: bool | None = None,
     fields: Sequence[BatchField] = (),
     static: StaticShape | None = None,
+    **caller_kwargs: Any,
 ) -> dict[str, Any]:
     """Drop-in for Megatron's ``get_batch_on_this_tp_rank``, correct on every pipeline stage.
+
+    It also takes the calls of Megatron-LM (a batch dict first, then megatron-core 0.19's
+    keywords: ``has_cu_seqlens``, ``is_hybrid_cp``, ...), of Megatron-LM before PR #4103
+    (``(data_iterator, mtp_on_this_rank=...)``) and of Megatron-Bridge (``(data_iterator, cfg,
+    use_mtp=False, *, pg_collection)``), and returns what each caller reads: which form a call
+    is follows from its arguments alone (`megapack.delivery.callers`, where each form's keys,
+    shapes and refusals are written). What follows is megapack's own form.
 
     Call it on every rank of a TP group once per micro-step. Only the TP source (TP rank 0) calls
     ``next(data_iterator)``; other ranks may pass None and their iterator is never touched.
@@ -95,7 +105,12 @@ def get_batch_on_this_tp_rank(
     Args:
         data_iterator: the source's iterator; never read on the other TP ranks (pass None there;
             an iterator there is ignored with a warning, once per TP group).
+        caller_args, caller_kwargs: a caller's own arguments (Megatron-LM's, Megatron-Bridge's:
+            see above); none in megapack's form.
         topology: this rank's place in the grid; default: from megatron-core's ``parallel_state``.
+        pg_collection: instead of ``topology``, megatron-core's ``ProcessGroupCollection`` (its
+            ``tp``, ``pp``, ``cp`` groups: `Topology.from_pg_collection`, without virtual
+            chunks; pass ``topology=`` for those).
         timeout: seconds a peer waits for the source (default: $MEGAPACK_TIMEOUT_S or 300).
         cp_layout: "document" or "row", how packed rows are split over CP ranks; default:
             ``topology.cp_layout``. Every CP rank must pass the same.
@@ -125,7 +140,16 @@ def get_batch_on_this_tp_rank(
         RemoteDataError: on TP ranks other than the source when the source failed; the source
             raises its own error (e.g. ValueError naming the bad field, row and value).
         CollectiveError: when a TP peer is stuck past the timeout or has crashed.
+        TypeError: arguments that fit no form, or mix two (named).
     """
+    if caller_args or caller_kwargs or isinstance(data_iterator, Mapping):
+        return callers.get_batch_in_form(
+            data_iterator, caller_args, caller_kwargs, topology=topology,
+            pg_collection=pg_collection, timeout=timeout,
+            options={"cp_layout": cp_layout, "sequence_parallel": sequence_parallel,
+                     "packed": packed, "fields": fields, "static": static},
+        )  # fmt: skip
+    topology = resolve_topology(topology, pg_collection)
     topo, schema, options = source_options(
         topology,
         cp_layout=cp_layout,
@@ -213,15 +237,20 @@ def source_batch(item: Any, topo: Topology, schema: Schema, options: SourceOptio
 
 
 def warn_ignored_iterator(topo: Topology, caller: str) -> None:
-    """Warn, once per TP group, that this non-source TP rank's data iterator is never read."""
+    """Warn, once per TP group, that this non-source TP rank's data iterator is never read
+    (logger ``megapack.delivery``)."""
     if topo.tp_group is None or topo.tp_group in _warned_ignored:
         return
     _warned_ignored.add(topo.tp_group)
-    warnings.warn(
-        f"{caller}: rank {topo.tp_ranks[topo.tp_rank]} is TP rank {topo.tp_rank}, not its group's "
-        f"TP source (global rank {topo.src_rank}): its data_iterator is ignored. Only the TP source "
-        "reads data and sends every TP rank the same batch; pass data_iterator=None on the other "
-        "TP ranks (as Megatron builds the data iterator only on TP rank 0)",
+    logging.getLogger("megapack.delivery").warning(
+        "megapack: %s: rank %d is TP rank %d, not its group's TP source (global rank %d): its "
+        "data_iterator is ignored. Only the TP source reads data and sends every TP rank the "
+        "same batch; pass data_iterator=None on the other TP ranks (as Megatron builds the data "
+        "iterator only on TP rank 0)",
+        caller,
+        topo.tp_ranks[topo.tp_rank],
+        topo.tp_rank,
+        topo.src_rank,
         stacklevel=3,
     )
 
@@ -296,8 +325,15 @@ def _check(header: Header, payload: torch.Tensor, topo: Topology, schema: Schema
 
 
 def _without_iterator(topo: Topology, schema: Schema, options: SourceOptions) -> Header:
-    """A middle stage of plain pretraining has no dataset: the all-None batch. Anything else is an error."""
+    """A middle stage of plain pretraining has no dataset: the all-None batch, with a warning
+    once per TP group when the data may be packed (``packed=None``: the other stages cannot be
+    seen from here; `megapack.lockstep_steps` checks it and silences it). Anything else is an
+    error."""
     if topo.stage == Stage.MIDDLE and not options.packed:
+        if options.packed is None:
+            from megapack.delivery.agreement import warn_middle_without_data
+
+            warn_middle_without_data(topo)
         return Header(
             status=Status.OK,
             stage=topo.stage,

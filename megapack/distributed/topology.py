@@ -1,8 +1,11 @@
 """Where this rank sits in the tensor-, pipeline- and context-parallel grid, as one frozen object.
 
 megapack keeps no module-level process groups: build a `Topology` once, from megatron-core's
-``parallel_state`` (`Topology.from_parallel_state`) or from groups a script manages itself
-(`Topology.from_groups`), and pass it to the functions that communicate.
+``parallel_state`` (`Topology.from_parallel_state`), from the ``ProcessGroupCollection`` that
+megatron-core and Megatron-Bridge pass around instead (`Topology.from_pg_collection`), or from
+groups a script manages itself (`Topology.from_groups`), and pass it to the functions that
+communicate. A function that takes either a ``topology=`` or a ``pg_collection=`` turns them into
+one with `resolve_topology`.
 
 Pipeline stages (``Stage``), for ``pp_size`` stages and optional virtual chunks:
 
@@ -20,6 +23,7 @@ own TP source, which reads the same full row and keeps its CP share (`megapack.c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -206,6 +210,81 @@ class Topology:
         )
 
     @classmethod
+    def from_pg_collection(
+        cls,
+        pg_collection: Any,
+        *,
+        vp_stage: int | None = None,
+        vp_size: int | None = None,
+        device: torch.device | str | None = None,
+        cp_layout: CpLayout = "document",
+        mtp: bool = False,
+    ) -> Topology:
+        """Read this rank's place from a megatron-core ``ProcessGroupCollection``.
+
+        megatron-core (0.14 onwards) and Megatron-Bridge hand their modules a
+        ``ProcessGroupCollection`` instead of reading the global ``parallel_state``; its ``tp``,
+        ``pp`` and ``cp`` groups are what a `Topology` needs. Any object with those attributes
+        works (a ``SimpleNamespace(tp=..., pp=..., cp=...)`` on a megatron-core without the
+        class); megatron-core 0.19's ``MultiModuleProcessGroupCollection`` gives its language
+        model's collection. ``pp`` and ``cp`` may be absent or None (one stage, no context
+        parallelism); the pipeline stage is this rank's index in ``pp``, as megatron-core's
+        ``is_pp_first_stage(pg_collection.pp)`` reads it.
+
+        Args:
+            pg_collection: the collection (``pg_collection.tp`` is required).
+            vp_stage, vp_size: the virtual pipeline chunk this call serves and the chunk count
+                (Bridge's ``cfg.model.virtual_pipeline_model_parallel_size``): both or neither.
+                A collection does not know the chunks.
+            device: where returned tensors live; by default CUDA's current device when the TP
+                group uses NCCL, else CPU.
+            cp_layout: "document" or "row", how rows are split over CP ranks (`megapack.core.cp_share`).
+            mtp: this stage holds multi-token-prediction layers.
+
+        Raises:
+            TypeError: ``pg_collection`` has no ``tp`` group, or a group is not a ProcessGroup.
+            ValueError: this rank is not in one of its groups; ``vp_stage`` without ``vp_size``.
+
+        Example:
+            tp=2 x pp=2 on 4 ranks, global rank 3 (``pg.tp`` holds ranks 2, 3; ``pg.pp`` ranks 1,
+            3): ``Topology.from_pg_collection(pg)`` gives ``tp_ranks=(2, 3)``, ``tp_rank=1``,
+            ``pp_rank=1``, ``pp_size=2``: a receiver on the LAST stage whose source is rank 2.
+        """
+        groups = _language_model_groups(pg_collection)
+        tp = _group(groups, "tp")
+        if tp is None:
+            raise TypeError(
+                f"pg_collection ({type(pg_collection).__name__}) has no tp group: pass megatron-core's "
+                "ProcessGroupCollection (e.g. ProcessGroupCollection.use_mpu_process_groups()) or "
+                "an object whose .tp is this rank's tensor-parallel group"
+            )
+        pp, cp = _group(groups, "pp"), _group(groups, "cp")
+        pp_rank, pp_size = 0, 1
+        if pp is not None:
+            pp_rank, pp_size = dist.get_rank(pp), dist.get_world_size(pp)
+            if pp_rank < 0:
+                raise ValueError(
+                    f"this rank ({dist.get_rank()}) is not a member of pg_collection.pp "
+                    f"{tuple(dist.get_process_group_ranks(pp))}"
+                )
+        if (vp_stage is None) != (vp_size is None):
+            raise ValueError(
+                f"Topology.from_pg_collection: vp_stage={vp_stage} and vp_size={vp_size}: give "
+                "both (the chunk this call serves and the number of chunks) or neither"
+            )
+        return cls.from_groups(
+            tp,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            vp_stage=vp_stage,
+            vp_size=vp_size,
+            device=device,
+            cp_group=cp,
+            cp_layout=cp_layout,
+            mtp=mtp,
+        )
+
+    @classmethod
     def from_parallel_state(
         cls, *, vp_stage: int | None = None, cp_layout: CpLayout = "document", mtp: bool = False
     ) -> Topology:
@@ -249,6 +328,76 @@ class Topology:
             cp_layout=cp_layout,
             mtp=mtp,
         )
+
+
+def resolve_topology(
+    topology: Topology | None,
+    pg_collection: Any = None,
+    *,
+    vp_stage: int | None = None,
+    vp_size: int | None = None,
+) -> Topology | None:
+    """The topology of a call that takes ``topology=`` or ``pg_collection=`` (never both).
+
+    Args:
+        topology: a `Topology`, or None.
+        pg_collection: a megatron-core ``ProcessGroupCollection`` (or an object with ``tp``,
+            ``pp``, ``cp`` groups), or None: `Topology.from_pg_collection`.
+        vp_stage, vp_size: the virtual pipeline chunk and chunk count for ``pg_collection``
+            (a collection does not know them); a `Topology` carries its own.
+
+    Returns:
+        ``topology``, or the one read from ``pg_collection``; None when neither is given, so
+        that the caller's own default applies (e.g. `Topology.from_parallel_state`).
+
+    Raises:
+        TypeError: ``topology`` is not a `Topology`, or ``pg_collection`` has no ``tp`` group.
+        ValueError: both are given, or ``vp_stage``/``vp_size`` with a ``topology``.
+
+    Example:
+        ``resolve_topology(None, pg)`` is ``Topology.from_pg_collection(pg)``;
+        ``resolve_topology(topo, None)`` is ``topo``; ``resolve_topology(None, None)`` is None.
+    """
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(
+            f"topology must be a megapack.Topology or None, got {type(topology).__name__}"
+        )
+    if topology is not None and pg_collection is not None:
+        raise ValueError(
+            "got both topology= and pg_collection=: pass one (topology=Topology.from_pg_collection"
+            "(pg_collection, ...) when you need its options)"
+        )
+    if pg_collection is not None:
+        return Topology.from_pg_collection(pg_collection, vp_stage=vp_stage, vp_size=vp_size)
+    if topology is not None and (vp_stage is not None or vp_size is not None):
+        raise ValueError(
+            f"vp_stage={vp_stage}, vp_size={vp_size} go with pg_collection=; a Topology carries "
+            f"its own (this one: vp_stage={topology.vp_stage}, vp_size={topology.vp_size})"
+        )
+    return topology
+
+
+def _language_model_groups(pg_collection: Any) -> Any:
+    """The collection itself, or a multi-module collection's language model's (megatron-core 0.19)."""
+    if getattr(pg_collection, "tp", None) is None:
+        language_model = getattr(pg_collection, "get_language_model_collection", None)
+        if callable(language_model) and getattr(pg_collection, "language_model_module_name", None):
+            return language_model()
+    return pg_collection
+
+
+def _group(groups: Any, name: str) -> dist.ProcessGroup | None:
+    """``groups.<name>``: a ProcessGroup, or None where it is absent or unset (megatron-core 0.19
+    gives None for a field never set, 0.16 raises AttributeError: both read as None here)."""
+    group = getattr(groups, name, None)
+    if group is None:
+        return None
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"pg_collection.{name} must be a torch.distributed.ProcessGroup or None, got "
+            f"{type(group).__name__}"
+        )
+    return group
 
 
 def default_device(group: dist.ProcessGroup | None) -> torch.device:

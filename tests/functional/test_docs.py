@@ -40,6 +40,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.functional.callers.guide import HARNESSES as MEGATRON_GUIDE
+
 ROOT = Path(__file__).resolve().parents[2]
 GUIDES = tuple(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
 """Every guide in docs/ (docs/records/ holds dated records, not guides)."""
@@ -440,6 +442,7 @@ HARNESSES: dict[str, Callable[[dict[str, Any], Callable[[], None]], None]] = {
     "def run_on_rank(tp: int, pp: int)": contributing_pool_test,
 }
 """A unique line fragment of each snippet -> its harness."""
+HARNESSES.update(MEGATRON_GUIDE)  # docs/megatron.md's, run against the re-created callers
 
 FUNCTION_BODIES = ("output_tensor = model(batch[",)
 """Snippets that are a function's body (they ``return``): run as ``forward_step``'s body."""

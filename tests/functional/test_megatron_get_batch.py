@@ -9,7 +9,9 @@ and without a dataloader attention mask, and hybrid-CP batches carrying ``local_
 Deliberate differences: megapack returns ``cu_seqlens`` 1-D (Megatron (1, n)) and ``max_seqlen``
 as a Python int (Megatron a [1] tensor), and middle stages of plain pretraining get an all-None
 dict rather than a tuple of Nones. The row-merging (``flatten_batch_for_packed_sequences``) and
-per-sequence balancing cases are in tests/unit/test_megatron_batches.py.
+per-sequence balancing cases are in tests/unit/test_megatron_batches.py. Megatron-LM's own call
+(a batch dict and its keywords, returning its (1, n) ``cu_seqlens`` and [1] ``max_seqlen``), its
+older one and Megatron-Bridge's, in re-created callers: tests/functional/test_megatron_callers.py.
 """
 
 from __future__ import annotations

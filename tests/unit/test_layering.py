@@ -6,7 +6,11 @@ The packages, lowest first (each may import those to its left that its row names
     distributed    topology, groups, timed collectives, lockstep            (core)
     delivery       get_batch_on_this_tp_rank, transports, prefetch          (core, distributed)
     attention      PackedAttention and its kernels                          (core)
-    megatron       the layer spec and losses                                (core, attention)
+    megatron       the layer spec and losses                                (core, attention;
+                   delivery: its namespace gives trainers the whole replacements of Megatron-LM's
+                   and Megatron-Bridge's get_batch, which live with the other callers'
+                   conventions in megapack.delivery.callers, one module for all of them; the
+                   delivery imports nothing of megatron, so no cycle)
     packing, data  planning rows; readers and writers                       (core; data: + distributed, packing)
     harness        worker pool, megatron on CPU, the tiny GPT               (all of the above)
     bench, cli     `megapack bench`, the command line                       (all of the above; cli: + bench)
@@ -81,7 +85,7 @@ ALLOWED: dict[str, set[str]] = {
     "distributed": {"core", "distributed"},
     "delivery": {"core", "distributed", "delivery"},
     "attention": {"core", "attention"},
-    "megatron": {"core", "attention", "megatron"},
+    "megatron": {"core", "attention", "megatron", "delivery"},
     "packing": {"core", "packing"},
     "data": {"core", "distributed", "packing", "data"},
     "harness": BELOW_HARNESS | {"harness"},
