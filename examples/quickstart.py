@@ -18,20 +18,37 @@ boundaries); `get_batch_on_this_tp_rank` in ``forward_step``; `normalized_loss` 
 per-token form (the same loss however the step was packed); megatron-core's
 ``DistributedDataParallel`` and ``finalize_model_grads`` (which divides by the step's trained
 tokens); and `lockstep_steps` around the schedule, so that when the data ends every rank stops
-at the same step. Prints each step's loss (mean over the step's trained tokens).
+at the same step.
+
+Prints, on global rank 0, each step's loss (mean over the step's trained tokens), its trained
+tokens, its real tokens (every non-padding token of the step's documents, over every DP rank),
+the step's wall time and real tokens/s:
+
+    step 0: loss 6.2814 over 500 trained tokens; 943 real tokens in 1.27 s: 742 real tokens/s
+
+Each figure is counted once: the trained tokens and the loss on TP rank 0 of the last stage (the
+last stage's TP ranks all hold the same loss), the real tokens on TP rank 0 of the first stage as
+the schedule takes each micro-batch; one all-reduce adds the DP ranks up. The script is the
+application, so it configures logging: megapack's own lines (INFO and above of the ``megapack``
+logger, e.g. rank 0's line when the data ends) show on stderr, and megatron-core's known-harmless
+warnings (no Apex or Transformer Engine, ...) are quieted with `megapack.core.quiet.quiet_megatron`.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import os
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import megapack
+from megapack.core.quiet import quiet_megatron
 from megapack.data import PackedDataset
 from megapack.megatron import normalized_loss, packed_gpt_layer_spec
 
@@ -92,6 +109,47 @@ def model_provider(args: argparse.Namespace, vocab_size: int, seq_length: int) -
     return DistributedDataParallel(config, DistributedDataParallelConfig(), model)
 
 
+def real_tokens(batch: megapack.PackedBatch, pad_id: int) -> int:
+    """The non-padding tokens of a micro-batch as the dataset yields it: its documents' tokens,
+    not a row's trailing padding segment nor a filler row (segments holding only ``pad_id``).
+
+    Example: rows of 8 with documents of 3 and 4 tokens, ``cu_seqlens`` [0, 3, 8, 12, 16] (each
+    row's padding a segment of its own): 3 + 4 = 7 real tokens.
+    """
+    cu = batch.cu_seqlens.tolist()  # host tensors: the dataset's batch, before any transfer
+    padded = batch.cu_seqlens_padded
+    starts = (padded if padded is not None else batch.cu_seqlens).tolist()
+    tokens = batch.tokens[0]
+    return sum(
+        cu[i + 1] - cu[i]
+        for i in range(len(cu) - 1)
+        if bool((tokens[starts[i] : starts[i] + cu[i + 1] - cu[i]] != pad_id).any())
+    )
+
+
+class Counted:
+    """A step's data iterator as the schedule reads it, adding up the real tokens it hands out."""
+
+    def __init__(self, items: Iterator[Any], pad_id: int) -> None:
+        self.items, self.pad_id, self.tokens = items, pad_id, 0
+
+    def __iter__(self) -> Counted:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.items)
+        self.tokens += real_tokens(batch, self.pad_id)
+        return batch
+
+
+def configure_logging() -> None:
+    """The script is the application: megapack's INFO lines and every library's warnings show on
+    stderr, each prefixed with the global rank (torchrun's ``RANK``)."""
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(message)s")
+    logging.getLogger("megapack").setLevel(logging.INFO)
+
+
 def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
     # Every rank of the TP group calls this once per micro-batch; only TP rank 0 reads the iterator.
     batch = megapack.get_batch_on_this_tp_rank(data_iterator, fields=megapack.LOSS_FIELDS)
@@ -120,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     model_parallel_cuda_manual_seed(args.seed)
     tp_rank = ps.get_tensor_model_parallel_rank()
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     num_microbatches = args.micro_batches
 
     # This DP rank's micro-batches, each with its step's loss fields (normalized_loss's counts).
@@ -138,28 +197,42 @@ def main(argv: list[str] | None = None) -> None:
     steps = megapack.lockstep_steps(data_iterator, micro_batches=num_microbatches,
                                     seq_length=seq_length, micro_batch_size=1,
                                     fields=megapack.LOSS_FIELDS)  # fmt: skip
+    device = "cuda" if cuda else "cpu"
+    last_report = time.perf_counter()  # a step's time: from the last report, its reading included
     for iteration, step_iterator in zip(range(args.steps), steps, strict=False):
+        counted = None  # the real tokens are counted once: on TP rank 0 of the first stage
+        if first and step_iterator is not None:
+            step_iterator = counted = Counted(step_iterator, train.pad_token_id)
         model.zero_grad_buffer()
         optimizer.zero_grad()
         reports = schedule(forward_step_func=forward_step, data_iterator=step_iterator,
                            model=[model], num_microbatches=num_microbatches,
                            seq_length=seq_length, micro_batch_size=1, forward_only=False)  # fmt: skip
-        for (
-            p
-        ) in model.parameters():  # DDP accumulated into main_grad (Megatron's optimizer reads it)
+        for p in model.parameters():  # DDP accumulated into main_grad (Megatron's optimizer's)
             p.grad = p.main_grad
         optimizer.step()
-        # the last stage reports [loss sum, trained tokens] per micro-batch; every other stage none
-        total = torch.zeros(2, dtype=torch.float64, device="cuda" if cuda else "cpu")
-        for report in reports:
-            total += report["lm loss"].double().to(total.device)
-        dist.all_reduce(total)  # over every rank: the last stages' sums (DP ranks add up)
+        # [loss sum, trained tokens, real tokens] of the step, each added once per DP rank: every
+        # TP rank of the last stage reports the same [loss sum, trained tokens] per micro-batch,
+        # so only TP rank 0 adds them (the TP ranks' sum would count each token tp times)
+        figures = torch.zeros(3, dtype=torch.float64, device=device)
+        if last and tp_rank == 0:
+            for report in reports:
+                figures[:2] += report["lm loss"].double().to(device)
+        if counted is not None:
+            figures[2] = counted.tokens
+        dist.all_reduce(figures)  # over every rank: the DP ranks' shares add up
         if dist.get_rank() == 0:
-            print(f"step {iteration}: loss {(total[0] / total[1]).item():.4f} over "
-                  f"{int(total[1].item())} trained tokens", flush=True)  # fmt: skip
+            now = time.perf_counter()
+            seconds, last_report = now - last_report, now
+            loss_sum, trained, real = figures.tolist()
+            print(f"step {iteration}: loss {loss_sum / trained:.4f} over {int(trained)} trained "
+                  f"tokens; {int(real)} real tokens in {seconds:.2f} s: "
+                  f"{real / seconds:,.0f} real tokens/s", flush=True)  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    configure_logging()
+    with quiet_megatron():  # megatron-core's known-harmless warnings (megapack.core.quiet.HARMLESS)
+        main()

@@ -7,11 +7,11 @@ imports torch, and megatron-core (~5 s to import) is loaded only when a function
 from __future__ import annotations
 
 import importlib
-import logging
 from typing import TYPE_CHECKING, Any
 
-# the application configures logging
-logging.getLogger("megapack").addHandler(logging.NullHandler())
+# No handler of its own (no NullHandler): with no logging configured, Python's last-resort
+# handler prints megapack's warnings and errors on stderr (not INFO); an application that
+# configures logging gets them through its own handlers.
 
 if TYPE_CHECKING:
     from megapack.core.batch import PackedBatch

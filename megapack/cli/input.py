@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -52,6 +53,17 @@ def tokenizer_from(path: str | None, eos_token: str | None = None) -> Any:
             f"--eos-token {eos_token!r} needs --tokenizer: the built-in byte tokenizer's eos is fixed"
         )
     return ByteTokenizer()
+
+
+def tokenized_by(args: argparse.Namespace, tokenizer: Any, reader: Any) -> dict[str, Any]:
+    """What ``meta.json`` records of the tokenizer (and what ``pack`` and ``stats`` print): the
+    one that read text input (its --tokenizer path, else megapack's byte tokenizer), none for
+    token ids read as they are (.bin/.idx, .npy/.npz; their --eos-id where given)."""
+    used: Any = getattr(reader, "tokenizer", None)  # record readers keep the one they encode with
+    if used is not None and used is tokenizer:
+        name = str(args.tokenizer) if args.tokenizer else "megapack.data.ByteTokenizer"
+        return {"tokenizer": name, "vocab_size": used.vocab_size, "eos_id": used.eos_id}
+    return {"tokenizer": None, "vocab_size": None, "eos_id": getattr(args, "eos_id", None)}
 
 
 def open_reader(args: argparse.Namespace, tokenizer: Any, **options: Any) -> Any:
@@ -152,14 +164,28 @@ def reader_options(args: argparse.Namespace) -> dict[str, Any]:
     return options | chat_options(args)
 
 
-def read_lengths(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, str]:
-    """Document lengths of the input (streamed: no document is kept), the lengths `megapack pack`
-    packs by default (each document longer than ``--seq-len`` as the pieces `split_document` cuts
-    it into, at message boundaries where it can), and a bad-line note."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InputLengths:
+    """What ``stats`` reads of its input (`read_lengths`): lengths only, no document is kept."""
+
+    lengths: np.ndarray
+    """Each document's tokens (int64)."""
+    pieces: np.ndarray
+    """The lengths `megapack pack` packs by default: each document longer than ``--seq-len``
+    as the pieces `split_document` cuts it into (at message boundaries where it can)."""
+    note: str
+    """The bad lines skipped (with --skip-bad), or ""."""
+    tokenized: dict[str, Any]
+    """The tokenizer, as `tokenized_by` names it."""
+
+
+def read_lengths(args: argparse.Namespace) -> InputLengths:
+    """The input's document lengths, streamed (see `InputLengths`)."""
     from megapack.data.split import split_document
 
     options = reader_options(args)
-    reader = open_reader(args, tokenizer_from(args.tokenizer, args.eos_token), **options)
+    tokenizer = tokenizer_from(args.tokenizer, args.eos_token)
+    reader = open_reader(args, tokenizer, **options)
     lengths: list[int] = []
     pieces: list[int] = []
     for doc in progress(reader, f"reading {args.input}"):
@@ -174,7 +200,12 @@ def read_lengths(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, str]
         if stats and stats.skipped
         else ""
     )
-    return np.array(lengths, dtype=np.int64), np.array(pieces, dtype=np.int64), note
+    return InputLengths(
+        lengths=np.array(lengths, dtype=np.int64),
+        pieces=np.array(pieces, dtype=np.int64),
+        note=note,
+        tokenized=tokenized_by(args, tokenizer, reader),
+    )
 
 
 SHAPE_FLAGS = ("hidden", "ffn", "layers", "heads", "vocab")

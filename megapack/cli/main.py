@@ -27,9 +27,13 @@ from megapack.cli.input import (
     is_record_input,
     open_reader,
     reader_options,
+    tokenized_by,
     tokenizer_from,
 )
 from megapack.cli.pack_report import no_documents, pack_report, plural
+
+SKIP_BAD = "or pass --skip-bad to skip such lines and count them (the report gives the count)"
+"""What a bad input line's error adds: the flag that skips and counts bad lines instead."""
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
@@ -82,17 +86,6 @@ def check_out(out: Path, *, resume: bool) -> Path:
     return staging
 
 
-def _tokenized_by(args: argparse.Namespace, tokenizer: Any, reader: Any) -> dict[str, Any]:
-    """What ``meta.json`` records of the tokenizer: the one that read text input (its
-    --tokenizer path, else megapack's byte tokenizer), none for token ids read as they are
-    (.bin/.idx, .npy/.npz; their --eos-id where given)."""
-    used: Any = getattr(reader, "tokenizer", None)  # record readers keep the one they encode with
-    if used is not None and used is tokenizer:
-        name = str(args.tokenizer) if args.tokenizer else "megapack.data.ByteTokenizer"
-        return {"tokenizer": name, "vocab_size": used.vocab_size, "eos_id": used.eos_id}
-    return {"tokenizer": None, "vocab_size": None, "eos_id": getattr(args, "eos_id", None)}
-
-
 def _pack(args: argparse.Namespace, out: Path, staging: Path) -> int:
     from itertools import islice
 
@@ -113,7 +106,7 @@ def _pack(args: argparse.Namespace, out: Path, staging: Path) -> int:
         config=config,
         resume=args.resume,
         checkpoint_every=args.checkpoint_every,
-        **_tokenized_by(args, tokenizer, reader),
+        **tokenized_by(args, tokenizer, reader),
     )
     record = "fields" in options or is_record_input(args.input)
     if writer.rows_done and record:  # the reader again, after the checkpoint's rows
@@ -147,10 +140,23 @@ def _pack(args: argparse.Namespace, out: Path, staging: Path) -> int:
         if stats is not None and stats.skipped
         else ""
     )
-    for line in pack_report(meta, args.input, note):
+    lengths = input_lengths(out)
+    multiple = packing_from(args).multiple
+    for line in pack_report(meta, args.input, note, lengths=lengths, multiple=multiple):
         print(line)
     print(f"{args.algorithm} in {time.perf_counter() - start:.1f} s -> {args.out}")
     return 0
+
+
+def input_lengths(folder: Path) -> Any:
+    """The input documents' lengths of a packed ``folder`` (each document's pieces added up by
+    ``origins.npy``), or None for a folder without origins (one resumed from an older pack)."""
+    import numpy as np
+
+    if not (folder / "origins.npy").is_file():
+        return None
+    pieces = np.diff(np.load(folder / "doc_offsets.npy"))
+    return np.bincount(np.load(folder / "origins.npy"), weights=pieces).astype(np.int64)
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -274,8 +280,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_flags(args)
         return int(args.func(args))
     except (ValueError, OSError, ImportError) as exc:  # the user's input, files or environment
-        print(f"megapack {args.command}: error: {exc}", file=sys.stderr)
+        print(f"megapack {args.command}: error: {explain(exc, args)}", file=sys.stderr)
         return 2
+
+
+def explain(exc: BaseException, args: argparse.Namespace) -> str:
+    """The one line an error prints: its message, and for a bad input line (a `BadLineError`,
+    itself or the cause of ``pack``'s note on what is kept) the ``--skip-bad`` way past it."""
+    records = sys.modules.get("megapack.data.records")  # not loaded: no line was read
+    bad = records is not None and any(
+        isinstance(e, records.BadLineError) for e in (exc, exc.__cause__)
+    )
+    if not bad or getattr(args, "skip_bad", False):
+        return str(exc)
+    return f"{exc}; {SKIP_BAD}"
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import numpy as np
 
 from megapack.cli.flags import packing_from
 from megapack.cli.input import SHAPE_FLAGS, read_lengths
-from megapack.cli.pack_report import plural
+from megapack.cli.pack_report import covering_seq_lens, plural, seq_len_advice, tokenizer_line
 from megapack.packing.options import PackOptions
 
 
@@ -29,7 +29,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from megapack.packing import plan
 
     options = packing_from(args)
-    lengths, pieces, note = read_lengths(args)
+    read = read_lengths(args)
+    lengths, pieces, note = read.lengths, read.pieces, read.note
     if len(lengths) == 0:
         raise ValueError(f"{args.input}: no documents in it" + (f" ({note})" if note else ""))
     figures: dict[str, Any] = {
@@ -40,12 +41,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
         "length_min": int(lengths.min()),
         "length_median": float(np.median(lengths)),
         "length_max": int(lengths.max()),
+        **read.tokenized,
     }
     print(
         f"{plural(len(lengths), 'document')}, {plural(int(lengths.sum()), 'token')}; length min {lengths.min()}, "
         f"median {int(np.median(lengths))}, mean {lengths.mean():.1f}, max {lengths.max()}"
         + (f"; {note}" if note else "")
     )
+    print(tokenizer_line(read.tokenized))
     print("\nlength histogram")
     edges = np.unique(np.geomspace(1, max(int(lengths.max()), 2), 12).astype(int))
     counts, _ = np.histogram(lengths, bins=np.append(edges, lengths.max() + 1))
@@ -82,10 +85,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"| lower bound | {bound:,} | <= {real / (bound * args.seq_len):.2%} | |")
     figures.update(_suggest_cap(results["bfd"], pieces, replace(options, algorithm="bfd")))
     long = lengths > args.seq_len
+    figures["documents_longer"] = int(long.sum())
     print(
-        f"\n{plural(int(long.sum()), 'document')} longer than {plural(args.seq_len, 'token')} "
-        f"({plural(int((lengths[long] - args.seq_len).sum()), 'token')} beyond)"
+        f"\n{int(long.sum()):,} of {plural(len(lengths), 'document')} longer than --seq-len "
+        f"{args.seq_len:,} ({plural(int((lengths[long] - args.seq_len).sum()), 'token')} beyond)"
+        + (": `megapack pack` splits them by default (--long-docs)" if long.any() else "")
     )
+    for line in seq_len_advice(lengths, args.seq_len, multiple=options.multiple):
+        print(line)
+    covering = covering_seq_lens(lengths, multiple=options.multiple)
+    figures["seq_len_covering"] = {f"{share:g}": length for share, length in covering.items()}
     for policy in (p for p in LONG_DOC_POLICIES if p != "error"):
         # "split" as pack splits: at message boundaries where it can (the table above)
         r = (

@@ -29,6 +29,7 @@ import torch
 from megapack.core.batch import PackedBatch
 from megapack.core.buckets import BUCKET_NAMES
 from megapack.core.checks import check_int
+from megapack.core.extras import known_fields_hint, undeclared_extras
 from megapack.core.fields import MAX_DIMS, BatchField, Schema
 from megapack.core.rows import GRID_NAMES, grid_tensor, merge_rows
 
@@ -110,10 +111,7 @@ def _from_packed_batch(item: PackedBatch, schema: Schema) -> Batch:
             samples=None,
         )
     if extras:
-        raise ValueError(
-            f"PackedBatch.extras has undeclared keys {sorted(extras)}: declare each with "
-            "fields=(megapack.BatchField(name, per, dtype, stages), ...) or drop it"
-        )
+        raise ValueError(undeclared_extras(extras, [f.name for f in schema.declared]))
     return Batch(BatchForm.PACKED, values)
 
 
@@ -128,11 +126,16 @@ def _from_dict(item: Mapping[str, Any], schema: Schema) -> Batch:
             if set(unknown) & PACKED_KEYS
             else ""
         )
+        known, others = known_fields_hint(unknown, declared)  # megapack's own fields, by name
+        fixes = [known] if known else []
+        if others:
+            fixes.append(
+                f"declare a trainer's own field with fields=(megapack.BatchField({others[0]!r}, "
+                f"per, dtype, stages), ...) or drop it{hint}"
+            )
         raise ValueError(
             f"batch has undeclared keys {unknown}; megapack transfers {sorted(allowed)} and the "
-            f"fields= declarations ({sorted(declared) or 'none'}): declare a trainer's own field "
-            f"with fields=(megapack.BatchField({unknown[0]!r}, per, dtype, stages), ...) or drop "
-            f"it{hint}"
+            f"fields= declarations ({sorted(declared) or 'none'}): {'; '.join(fixes)}"
         )
     tokens = grid_tensor(item, "tokens")
     rows, cols = (int(n) for n in tokens.shape)

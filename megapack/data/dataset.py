@@ -35,7 +35,7 @@ pieces), the same in memory and on disk: `save` writes them, `load` memory-maps 
 
 from __future__ import annotations
 
-import warnings
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -62,6 +62,8 @@ from megapack.packing.options import (
     split_shortcuts,
     with_shortcuts,
 )
+
+log = logging.getLogger("megapack.data")  # library code logs; the CLI prints
 
 
 class PackedDataset:
@@ -470,13 +472,19 @@ def _warn_if_mostly_filler(real: int, padded: int, dp_size: int, micro_batches: 
     filler = padded - real
     if filler <= FILLER_WARNING * padded:
         return
-    warnings.warn(
-        f"PackedDataset: {filler:,} of the epoch's {padded:,} micro-batches ({filler / padded:.0%}) "
-        f"are zero-loss filler: {real:,} micro-batch{'es' if real != 1 else ''} of data padded to "
-        f"whole steps of dp_size {dp_size} x micro_batches {micro_batches} = "
-        f"{dp_size * micro_batches:,}. Every filler "
-        "micro-batch costs a forward and backward and trains nothing: use fewer micro-batches a "
-        "step or fewer DP ranks for this data, or more data",
+    log.warning(
+        "megapack: PackedDataset: %s of the epoch's %s micro-batches (%.0f%%) are zero-loss "
+        "filler: %s micro-batch%s of data padded to whole steps of dp_size %d x micro_batches %d "
+        "= %s. Every filler micro-batch costs a forward and backward and trains nothing: use "
+        "fewer micro-batches a step or fewer DP ranks for this data, or more data",
+        f"{filler:,}",
+        f"{padded:,}",
+        100 * filler / padded,
+        f"{real:,}",
+        "es" if real != 1 else "",
+        dp_size,
+        micro_batches,
+        f"{dp_size * micro_batches:,}",
         stacklevel=4,
     )
 

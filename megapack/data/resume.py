@@ -1,8 +1,11 @@
 """`DatasetIterator`: one DP rank's micro-batches of a `PackedDataset`, resumable exactly.
 
-Its state counts what the trainer used: checkpoint `megapack.prefetch`'s ``state_dict()`` when
-batches are fetched ahead (it reports this iterator's position after the last batch used). See the
-class docstring for what a resume on another DP size guarantees.
+Its own state counts what was read from it. When something reads ahead of the trainer, save
+that reader's state, which counts what the trainer took: `megapack.lockstep_steps`' (it reads a
+whole step ahead; its ``state_dict()`` is the position of the first micro-batch the schedule has
+not taken), else `megapack.prefetch`'s (it reports this iterator's position after the last batch
+``next()`` returned). `DatasetIterator.load_state_dict` takes any of the three (`position_of`).
+See the class docstring for what a resume on another DP size guarantees.
 
 Two ways to a state, both exact:
 
@@ -14,7 +17,9 @@ Two ways to a state, both exact:
   ``balance="compute"`` the epoch's plan is an argument, as counters do not record it.
 
 `check_state` refuses a malformed state whole, on load: a missing key, a wrong type, a negative
-value or an index past its epoch, naming the key and the value.
+value or an index past its epoch, naming the key and the value. With ``balance="compute"`` the
+epoch's order depends on the `CostModel`, which the identity records: another one is refused,
+naming both.
 """
 
 from __future__ import annotations
@@ -53,8 +58,11 @@ class PlannedDataset(Protocol):
     def __getitem__(self, index: int) -> PackedBatch: ...
 
 
-STATE_VERSION = 2
-"""Version of `DatasetIterator.state_dict` (2: with the dataset's fingerprint; 1 is read too)."""
+STATE_VERSION = 3
+"""Version of `DatasetIterator.state_dict` (3: with the cost model; 2: with the dataset's
+fingerprint; both earlier versions are read too)."""
+LOCKSTEP_KIND = "megapack.lockstep_steps"
+"""``"kind"`` of a `megapack.lockstep_steps` state (`megapack.delivery.steps.STATE_KIND`)."""
 
 
 class DatasetIterator:
@@ -65,7 +73,8 @@ class DatasetIterator:
     iterator over the same dataset resumes exactly there with ``load_state_dict``: the next
     micro-batches are bit for bit those the interrupted run would have had. Behind `megapack.prefetch`,
     checkpoint the prefetcher's ``state_dict()``, which counts the batches *used*, not the ones
-    fetched ahead.
+    fetched ahead; under `megapack.lockstep_steps` (over either), the lockstep's, which counts the
+    micro-batches the schedule took, not the step read ahead. ``load_state_dict`` takes all three.
 
     A different DP size on resume, with the global batch kept (``dp_size x micro_batches`` the
     same; Megatron keeps it when fewer nodes take over): the checkpoint must be at a step
@@ -114,8 +123,9 @@ class DatasetIterator:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at ``state`` (`state_dict`'s, from any DP rank of the checkpointed run, or
-        `PackedDataset.state_for`'s), checked whole before anything changes.
+        """Resume at ``state``, checked whole before anything changes: `state_dict`'s (from any
+        DP rank of the checkpointed run), `PackedDataset.state_for`'s, a `megapack.prefetch`er's
+        or a `megapack.lockstep_steps`' ``state_dict()`` (their data position: `position_of`).
 
         Raises:
             TypeError: ``state`` is not a dict, or a key holds a value of the wrong type, naming
@@ -123,23 +133,47 @@ class DatasetIterator:
             ValueError: a missing key or a value out of range (a negative index, an index past
                 the end of its epoch, a plan of another global batch), naming the key and the
                 value; a state of another dataset (contents, rows, seed, rows per micro-batch,
-                balance, version), another global batch, or a change of DP size away from a
-                step boundary, naming the setting and both values.
+                balance, cost model, version), another global batch, or a change of DP size away
+                from a step boundary, naming the setting and both values; a prefetcher's or
+                lockstep's state without one position to load, saying which to load.
         """
         ds = self.dataset
-        checked = check_state(state)
+        checked = check_state(position_of(state))
         if "fingerprint" not in checked:
             log.warning(
-                "resuming from a state of an earlier megapack (version %s), which records no "
-                "dataset fingerprint: only the rows, seed and layout are checked",
+                "megapack: resuming from a state of an earlier megapack (version %s), which "
+                "records no dataset fingerprint: only the rows, seed and layout are checked",
                 checked["version"],
             )
-        for key, mine in identity(ds).items():
-            if key != "version" and key in checked and checked[key] != mine:
+        mine_all = identity(ds)
+        for key, mine in mine_all.items():
+            if key not in ("version", "cost") and key in checked and checked[key] != mine:
                 raise ValueError(
                     f"cannot resume: the checkpoint's dataset has {key}={checked[key]!r}, this "
                     f"one has {key}={mine!r}"
                 )
+        if "cost" not in checked and ds.loading.balance == "compute":
+            raise ValueError(
+                f"cannot resume: the state (version {checked['version']}, written by an earlier "
+                "megapack) records no cost model, and with balance='compute' the epoch's order "
+                "depends on it; if the checkpoint's run used this one, add "
+                f"state['cost'] = {mine_all['cost']!r} and load it again"
+            )
+        costs = (checked.get("cost"), mine_all["cost"])
+        if "cost" in checked and (costs[0] is None) != (costs[1] is None):
+            raise ValueError(
+                f"cannot resume: the checkpoint's dataset has cost={checked['cost']!r}, this one "
+                f"has cost={mine_all['cost']!r} (a cost model is recorded with balance='compute' "
+                "only)"
+            )
+        if "cost" in checked and checked["cost"] != mine_all["cost"]:
+            raise ValueError(
+                f"cannot resume: the checkpoint's epoch was ordered with "
+                f"{_cost_text(checked['cost'])}, this run's is {_cost_text(mine_all['cost'])}: "
+                "with balance='compute' the epoch's order depends on the cost model, so rows "
+                "would be trained twice or never; load the dataset with the checkpoint's "
+                f"(LoadOptions(balance='compute', cost={_cost_text(checked['cost'])}))"
+            )
         old_dp, old_m = checked["dp_size"], checked["micro_batches"]
         step = ds.loading.dp_size * ds.loading.micro_batches
         if old_dp * old_m != step:
@@ -178,7 +212,9 @@ def identity(ds: PlannedDataset) -> dict[str, Any]:
     """What a checkpoint's dataset must share with ``ds`` to resume it, as plain values (also
     what ranks compare to check they read one dataset): the state's version, the contents'
     fingerprint (`megapack.data.fingerprint`), the rows, the seed (`PackOptions`) and the dealing
-    (`LoadOptions`)."""
+    (`LoadOptions`: rows per micro-batch, balance and, with ``balance="compute"``, the cost
+    model's ``{"a": ..., "b": ...}``, which orders the epoch; None with token balance)."""
+    cost = ds.loading.cost if ds.loading.balance == "compute" else None
     return {
         "version": STATE_VERSION,
         "fingerprint": ds.meta.get("fingerprint"),
@@ -186,7 +222,57 @@ def identity(ds: PlannedDataset) -> dict[str, Any]:
         "seed": ds.packing.seed,
         "rows_per_micro_batch": ds.loading.rows_per_micro_batch,
         "balance": ds.loading.balance,
+        "cost": None if cost is None else {"a": cost.a, "b": cost.b},
     }
+
+
+def position_of(state: Any) -> Any:
+    """The `DatasetIterator` state inside ``state``: a `megapack.lockstep_steps` state's
+    position (every model chunk's, when they agree), a `megapack.prefetch` state's
+    ``["iterator"]``, else ``state`` itself.
+
+    Raises:
+        ValueError: a prefetcher's or lockstep's state that holds no position (taken on a rank
+            that reads no data) or, with virtual pipelining, different positions per model chunk,
+            saying what to load instead.
+
+    Example: ``{"used": 4, "iterator": {..., "index": 4}}`` -> ``{..., "index": 4}``.
+    """
+    if isinstance(state, Mapping) and state.get("kind") == LOCKSTEP_KIND:
+        positions = state.get("iterators")
+        if not isinstance(positions, list):
+            raise TypeError(
+                f"state['iterators'] of a lockstep_steps state must be a list (one data position "
+                f"per model chunk), got {_short(positions)}: save StepLockstep.state_dict() whole"
+            )
+        held = [p for p in positions if p is not None]
+        if not held:
+            raise ValueError(
+                "this lockstep_steps state holds no data position (state['iterators'] is "
+                f"{_short(positions)}): it was saved on a rank that reads no data (a TP peer, or "
+                "a middle stage without data); save global rank 0's (the first stage's TP source)"
+            )
+        if any(p != held[0] for p in held[1:]):
+            raise ValueError(
+                "this lockstep_steps state's model chunks are at different positions "
+                "(it was saved inside the schedule): load state['iterators'][k] into model chunk "
+                "k's iterator, or save it between steps, where every chunk is at one position"
+            )
+        state = held[0]
+    if isinstance(state, Mapping) and {"used", "iterator"} <= set(state):
+        if state["iterator"] is None:
+            raise ValueError(
+                "this megapack.prefetch state holds no data position (state['iterator'] is "
+                "None): it was taken on a TP rank other than the source, or over an iterator "
+                "without state_dict(); save the TP source's"
+            )
+        state = state["iterator"]
+    return state
+
+
+def _cost_text(cost: Any) -> str:
+    """``"CostModel(a=1.0, b=0.0)"`` of an identity's ``cost``."""
+    return f"CostModel(a={cost['a']!r}, b={cost['b']!r})"
 
 
 KEYS: dict[str, int | None] = {
@@ -200,8 +286,9 @@ KEYS: dict[str, int | None] = {
     "micro_batches": 1,
 }
 """The integer keys of a `DatasetIterator` state and their least value (None: any int)."""
-STATE_KEYS = (*KEYS, "balance", "fingerprint", "plan")
-"""Every key of a state (version 1, before fingerprints, lacks "fingerprint")."""
+STATE_KEYS = (*KEYS, "balance", "fingerprint", "plan", "cost")
+"""Every key of a state (version 1, before fingerprints, lacks "fingerprint"; versions 1 and 2,
+before cost models, lack "cost")."""
 
 
 def check_state(state: Any) -> dict[str, Any]:
@@ -215,10 +302,11 @@ def check_state(state: Any) -> dict[str, Any]:
             f"a DatasetIterator state is a dict (DatasetIterator.state_dict()), got "
             f"{type(state).__name__} {_short(state)}"
         )
-    if {"used", "iterator"} <= set(state):
+    if {"used", "iterator"} <= set(state) or state.get("kind") == LOCKSTEP_KIND:
         raise ValueError(
-            "this is megapack.prefetch's state_dict ({'used', 'iterator'}): load its "
-            "state['iterator'] into the iterator"
+            "this is a megapack.prefetch or lockstep_steps state_dict, not a DatasetIterator's: "
+            "pass it to DatasetIterator.load_state_dict, which takes its position "
+            "(megapack.data.resume.position_of)"
         )
     if "version" not in state:
         raise ValueError(f"the state has no 'version' (keys {sorted(map(str, state))})")
@@ -228,7 +316,11 @@ def check_state(state: Any) -> dict[str, Any]:
             f"state['version']={version}: written by a later megapack; this one reads versions "
             f"1 to {STATE_VERSION}"
         )
-    wanted = [k for k in STATE_KEYS if version > 1 or k != "fingerprint"]
+    wanted = [
+        k
+        for k in STATE_KEYS
+        if (version > 1 or k != "fingerprint") and (version > 2 or k != "cost")
+    ]
     missing = [k for k in wanted if k not in state]
     if missing:
         raise ValueError(
@@ -253,7 +345,26 @@ def check_state(state: Any) -> dict[str, Any]:
     if len(plan) != 2:
         raise ValueError(f"state['plan'] must be [dp_size, micro_batches], got {_short(plan)}")
     out["plan"] = tuple(check_int(f"state['plan'][{i}]", v, minimum=1) for i, v in enumerate(plan))
+    if version > 2 or "cost" in state:  # an earlier state's, added by hand (load_state_dict)
+        out["cost"] = _check_cost(state["cost"])
     return out
+
+
+def _check_cost(cost: Any) -> dict[str, float] | None:
+    """A state's ``cost``: None, or ``{"a": number, "b": number}`` (a `CostModel`'s)."""
+    if cost is None:
+        return None
+    if not isinstance(cost, Mapping) or set(cost) != {"a", "b"}:
+        raise TypeError(
+            f"state['cost'] must be None or a CostModel's {{'a': ..., 'b': ...}}, got {_short(cost)}"
+        )
+    for key in ("a", "b"):
+        value = cost[key]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(
+                f"state['cost'][{key!r}] must be a number, got {type(value).__name__} {_short(value)}"
+            )
+    return {"a": float(cost["a"]), "b": float(cost["b"])}
 
 
 def state_after(

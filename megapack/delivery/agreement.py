@@ -1,12 +1,19 @@
 """The first step's agreement of `megapack.lockstep_steps`: what ranks reading data must share.
 
-Every rank sends its settings once (`megapack.distributed.sync.gather_settings`): the schedule's
-``micro_batches``, whether it reads data, problems it found alone (a TP source of an end stage
-without an iterator), each dataset it reads (``PackedDataset.settings()``) and its DP place from
-megatron-core's ``parallel_state`` where that is set up. `agreement_errors` turns every rank's
-settings into the same errors and warnings on every rank, each naming both ranks and both values:
+Every rank sends its settings once (`megapack.distributed.sync.gather_settings`), after it read
+step 0: the schedule's ``micro_batches``, whether it reads data, problems it found alone (a TP
+source of an end stage without an iterator), the middle stages it is the TP source of without an
+iterator, whether what it read for step 0 is packed and whether it passed ``packed=True``, each
+dataset it reads (``PackedDataset.settings()``) and its DP place from megatron-core's
+``parallel_state`` where that is set up. `agreement_errors` turns every rank's settings into the
+same errors and warnings on every rank, each naming both ranks and both values:
 
 * the ranks state the same ``micro_batches``, and some rank reads data;
+* packed batches reach every stage: a middle stage whose TP source has no iterator (Megatron-LM's
+  ``is_dataset_built_on_rank`` builds none there for plain pretraining) gets no ``cu_seqlens``, so
+  when any rank read packed batches (or passed ``packed=True``) it is an error naming that
+  stage, its global rank and the fix; with unpacked data it trains as if it read (nothing to
+  send it), and `get_batch_on_this_tp_rank` is told not to warn there (`middle_checked`);
 * every dataset shares `STEP_KEYS` (the shape of a step and its loss);
 * DP shards of one dataset (``dp_size > 1``) share its identity too (fingerprint, rows, seed, ...);
   per-rank datasets (``dp_size=1``, e.g. evaluation sets packed per rank) may differ;
@@ -26,8 +33,9 @@ Example (two DP shards built with different seeds)::
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
-import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -37,7 +45,23 @@ from megapack.core.fields import Stage
 from megapack.distributed import sync
 from megapack.distributed.topology import Topology
 
-__all__ = ["PER_RANK_KEYS", "STEP_KEYS", "agreement_errors", "data_parallel_place"]
+__all__ = [
+    "PER_RANK_KEYS",
+    "STEP_KEYS",
+    "agreement_errors",
+    "batch_is_packed",
+    "data_parallel_place",
+    "middle_checked",
+    "middle_without_data",
+    "warn_middle_without_data",
+]
+
+log = logging.getLogger("megapack.delivery")
+
+# Groups (a TP group, or the default group where tp = 1) of middle stages without an iterator:
+# those a lockstep_steps agreement found unpacked (no warning needed), and those warned once.
+_middle_checked: weakref.WeakSet[Any] = weakref.WeakSet()
+_middle_warned: weakref.WeakSet[Any] = weakref.WeakSet()
 
 STEP_KEYS = ("rows_per_micro_batch", "micro_batches", "dp_size", "loss_fields")
 """Dataset settings every rank's dataset must share: they shape a step and its loss."""
@@ -52,8 +76,10 @@ def agreement_errors(
 
     Args:
         everyone: (global rank, settings) of each rank: ``micro_batches``, ``reads``,
-            ``problems`` (messages), ``datasets`` (each dataset's ``settings()``) and ``dp``
-            ([DP rank, DP size] from megatron-core's parallel_state, or None).
+            ``problems`` (messages), ``datasets`` (each dataset's ``settings()``), ``dp``
+            ([DP rank, DP size] from megatron-core's parallel_state, or None) and, optional,
+            ``middle`` (`middle_without_data`'s entries), ``packed`` (whether what it read for
+            step 0 is packed, or None) and ``packed_option`` (the ``packed=`` it passed).
 
     Returns:
         Error messages (raise them on every rank), and warnings with the ranks that give them.
@@ -70,6 +96,8 @@ def agreement_errors(
             "no rank reads data: pass the data iterator on the TP source (TP rank 0) of each "
             "stage that has a dataset"
         )
+    if (text := _middle_stages_error(everyone)) is not None:
+        errors.append(text)
     held = [(rank, ds, s["dp"]) for rank, s in everyone for ds in s["datasets"]]
     if errors or not held:
         return _first(errors), []
@@ -149,6 +177,53 @@ def _cautions(
             )
         )
     return out
+
+
+def _middle_stages_error(everyone: Sequence[tuple[int, Mapping[str, Any]]]) -> str | None:
+    """The error for middle stages without data when the batches are packed, else None.
+
+    Example: tp 1 x pp 4, ranks 1 and 2 (the middle stages) pass None and rank 0 read packed
+    micro-batches -> "ranks 1 (pp_rank 1 of 4: data_iterator=None) and 2 (pp_rank 2 of 4:
+    data_iterator=None) are TP sources of middle pipeline stages without data, but the batches
+    are packed (rank 0 read packed micro-batches at step 0): ..."
+    """
+    middles = [(rank, place) for rank, s in everyone for place in s.get("middle", [])]
+    if not middles:
+        return None
+    packed = [rank for rank, s in everyone if s.get("packed") is True]
+    declared = [rank for rank, s in everyone if s.get("packed_option") is True]
+    if not packed and not declared:
+        return None
+    where = [f"{rank} ({_place(place)})" for rank, place in middles[:4]]
+    if len(middles) > 4:
+        where.append(f"{len(middles) - 4} more")
+    names = where[0] if len(where) == 1 else ", ".join(where[:-1]) + " and " + where[-1]
+    who = (
+        f"rank {names} is the TP source of a middle pipeline stage"
+        if len(middles) == 1
+        else f"ranks {names} are TP sources of middle pipeline stages"
+    )
+    why = (
+        f"rank {packed[0]} read packed micro-batches at step 0"
+        if packed
+        else f"rank {declared[0]} passed packed=True"
+    )
+    return (
+        f"{who} without data, but the batches are packed ({why}): a middle stage without data "
+        "gets no cu_seqlens, so its attention would run across documents. For packed data "
+        "build the dataset on TP rank 0 of every pipeline stage (Megatron-LM: "
+        "is_dataset_built_on_rank must return True on middle stages too, e.g. "
+        "is_dataset_built_on_rank(vp_stage, is_packed_sequence=True)) and pass its iterator "
+        "there, as on the first and last stages"
+    )
+
+
+def _place(place: Sequence[Any]) -> str:
+    """``"pp_rank 1 of 4: data_iterator=None"`` of a `middle_without_data` entry (with virtual
+    pipelining ``"pp_rank 0 of 2, virtual chunk 1: data_iterator[1]=None"``)."""
+    pp_rank, pp_size, passed, chunk = place
+    chunked = "" if chunk is None else f", virtual chunk {chunk}"
+    return f"pp_rank {pp_rank} of {pp_size}{chunked}: {passed}"
 
 
 def _first(errors: list[str], most: int = 3) -> list[str]:
@@ -241,6 +316,103 @@ def local_problems(
     return problems
 
 
+def middle_without_data(
+    topo: Topology,
+    iterators: Sequence[Iterator[Any] | None],
+    sources: Sequence[Iterator[Any] | None],
+    *,
+    chunked: bool,
+) -> list[tuple[int, int, str, int | None]]:
+    """The middle stages (model chunks) this rank is the TP source of without data to send:
+    ``(pp_rank, pp_size, what was passed, virtual chunk or None)`` each.
+
+    ``iterators`` holds what was passed for each chunk, ``sources`` what the TP source reads
+    there: the iterator passed, or the one a `megapack.prefetch`er was built over (None there:
+    it delivers the all-None batch).
+
+    Example: tp 1 x pp 4, rank 2 passes None -> ``[(2, 4, "data_iterator=None", None)]``.
+    """
+    found: list[tuple[int, int, str, int | None]] = []
+    if not topo.is_source:
+        return found
+    for index, (iterator, source) in enumerate(zip(iterators, sources, strict=True)):
+        place = topo
+        if chunked:
+            if topo.vp_size is None:
+                break  # which chunk is which stage is unknown
+            place = dataclasses.replace(topo, vp_stage=index)
+        if source is None and place.stage == Stage.MIDDLE:
+            where = f"data_iterator[{index}]" if chunked else "data_iterator"
+            what = "None" if iterator is None else "megapack.prefetch(None, ...)"
+            found.append(
+                (topo.pp_rank, topo.pp_size, f"{where}={what}", index if chunked else None)
+            )
+    return found
+
+
+def batch_is_packed(item: Any) -> bool | None:
+    """Whether a data-iterator item (or a batch `megapack.prefetch` delivered) is packed: True
+    for a `megapack.PackedBatch`, a Megatron SFT dict with ``cu_seqlens`` or a delivered batch
+    with ``packed_seq_params``; False for a plain pretraining dict (or a delivered plain or
+    all-None batch); None where the item does not say (not a batch megapack knows).
+
+    Example:
+        >>> import torch
+        >>> batch_is_packed({"tokens": torch.zeros(2, 8, dtype=torch.long)})
+        False
+        >>> batch_is_packed({"tokens": torch.zeros(1, 8, dtype=torch.long),
+        ...                  "cu_seqlens": torch.tensor([[0, 8]])})
+        True
+        >>> batch_is_packed(3) is None
+        True
+    """
+    if getattr(item, "cu_seqlens", None) is not None:  # a PackedBatch
+        return True
+    if not isinstance(item, Mapping):
+        return None
+    if "packed_seq_params" in item:  # delivered by get_batch_on_this_tp_rank (prefetch)
+        return item["packed_seq_params"] is not None
+    if item.get("cu_seqlens") is not None:
+        return True
+    return False if "tokens" in item else None
+
+
+def middle_checked(topo: Topology) -> None:
+    """Record that `lockstep_steps`' agreement found this middle stage's data unpacked, so
+    `get_batch_on_this_tp_rank` does not warn that its TP source has no iterator."""
+    if (key := _group_key(topo)) is not None:
+        _middle_checked.add(key)
+
+
+def warn_middle_without_data(topo: Topology) -> None:
+    """Warn, once per TP group, that this middle stage's TP source has no iterator and so sends
+    the all-None batch: right for plain pretraining, wrong (attention across documents) when the
+    other stages' batches are packed, which cannot be seen from here (`lockstep_steps` can).
+    Called by `get_batch_on_this_tp_rank` with ``packed=None``; not after `lockstep_steps`'
+    agreement found the data unpacked (`middle_checked`)."""
+    key = _group_key(topo)
+    if key is not None and (key in _middle_checked or key in _middle_warned):
+        return
+    if key is not None:
+        _middle_warned.add(key)
+    chunk = "" if topo.vp_stage is None else f", virtual chunk {topo.vp_stage}"
+    log.warning(
+        "megapack: get_batch_on_this_tp_rank: data_iterator is None on TP source rank %d of a "
+        "middle pipeline stage (pp_rank %d of %d%s), so this stage gets no cu_seqlens. Right "
+        "for plain pretraining data; but if the other stages' batches are packed, this stage's "
+        "attention runs across documents, and that cannot be seen from here. Packed data: build "
+        "the dataset on TP rank 0 of every pipeline stage (Megatron-LM: "
+        "is_dataset_built_on_rank(vp_stage, is_packed_sequence=True)) and pass its iterator. "
+        "Unpacked data: pass packed=False to say so (this warning goes); megapack.lockstep_steps "
+        "checks it across the stages",
+        topo.src_rank,
+        topo.pp_rank,
+        topo.pp_size,
+        chunk,
+        stacklevel=5,  # the caller of get_batch_on_this_tp_rank
+    )
+
+
 def first_step_agreement(
     *,
     micro_batches: int,
@@ -249,9 +421,26 @@ def first_step_agreement(
     datasets: Sequence[Any],
     group: Any,
     timeout: float | None,
-) -> None:
+    middle: Sequence[tuple[int, int, str, int | None]] = (),
+    packed: bool | None = None,
+    packed_option: bool | None = None,
+) -> bool:
     """`lockstep_steps`' first-step checks: one all-gather of every rank's settings on ``group``,
-    then the same ValueError (naming both ranks and values) or warnings on every rank."""
+    then the same ValueError (naming both ranks and values) or warnings on every rank.
+
+    Args:
+        micro_batches, reads, problems, datasets: this rank's (see `agreement_errors`).
+        group, timeout: the gather's.
+        middle: the middle stages this rank is the TP source of without data
+            (`middle_without_data`).
+        packed: whether what this rank read for step 0 is packed (`batch_is_packed`; None:
+            nothing read, or items that do not say).
+        packed_option: the ``packed=`` this rank passed.
+
+    Returns:
+        Whether the data is known to be unpacked (some rank read or declared unpacked batches,
+        none packed), so that a middle stage without data is right.
+    """
     settings, problems = [], list(problems)
     for ds in datasets:
         try:  # a failure here must reach every rank, not leave them in the gather
@@ -264,6 +453,9 @@ def first_step_agreement(
         "problems": problems,
         "datasets": settings,
         "dp": data_parallel_place(),
+        "middle": [list(place) for place in middle],
+        "packed": packed,
+        "packed_option": packed_option,
     }
     everyone = sync.gather_settings(
         mine, group=group, timeout=timeout, what="lockstep_steps agreement"
@@ -273,7 +465,16 @@ def first_step_agreement(
         raise ValueError("lockstep_steps: " + "; ".join(errors))
     for ranks, text in cautions:
         if _rank() in ranks:
-            warnings.warn(f"lockstep_steps: {text}", stacklevel=4)
+            log.warning("megapack: lockstep_steps: %s", text, stacklevel=4)
+    said = [s.get("packed") for _, s in everyone] + [s.get("packed_option") for _, s in everyone]
+    return True not in said and False in said
+
+
+def _group_key(topo: Topology) -> Any:
+    """What "once per TP group" keys on: the TP group, or the default group where tp = 1."""
+    if topo.tp_group is not None:
+        return topo.tp_group
+    return dist.group.WORLD if dist.is_initialized() else None
 
 
 def _rank() -> int:

@@ -36,11 +36,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
 import os
 import queue
 import sys
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -53,7 +53,7 @@ from megapack.core.errors import CollectiveError, ProtocolError
 from megapack.delivery.get_batch import get_batch_on_this_tp_rank
 from megapack.distributed import comm
 from megapack.distributed.groups import control_group
-from megapack.distributed.topology import Topology
+from megapack.distributed.topology import Topology, resolve_topology
 
 
 @dataclasses.dataclass(slots=True)
@@ -72,12 +72,14 @@ _data_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, list[_DataGroup]] = (
     weakref.WeakKeyDictionary()
 )
 _FATAL = (CollectiveError, ProtocolError)
+log = logging.getLogger("megapack.delivery")
 
 
 def prefetch(
     data_iterator: Iterator[Any] | None,
     *,
     topology: Topology | None = None,
+    pg_collection: Any = None,
     depth: int = 1,
     timeout: float | None = None,
     nice: int = 10,
@@ -88,6 +90,7 @@ def prefetch(
     return Prefetcher(
         data_iterator,
         topology=topology,
+        pg_collection=pg_collection,
         depth=depth,
         timeout=timeout,
         nice=nice,
@@ -102,6 +105,8 @@ class Prefetcher:
     Args:
         data_iterator: the TP source's iterator; ignored (may be None) on the other TP ranks.
         topology: this rank's place in the grid; default: from megatron-core's ``parallel_state``.
+        pg_collection: megatron-core's ``ProcessGroupCollection`` (Megatron-Bridge, megatron-core's
+            explicit groups) instead of ``topology`` (`Topology.from_pg_collection`).
         depth: how many batches may be fetched ahead, 1 or more.
         timeout: seconds a collective waits for a peer (default: $MEGAPACK_TIMEOUT_S or 300).
         nice: how much lower the thread's CPU priority is than the caller's, 0-19 (Linux; default
@@ -118,8 +123,10 @@ class Prefetcher:
 
     Resume: ``state_dict()`` counts the batches ``next()`` returned (used), not those fetched
     ahead, and gives the data position as of the last one used (``state`` read after that
-    batch's fetch): checkpoint it, and on restart load ``state_dict()["iterator"]`` into a new
-    iterator before prefetching from it again.
+    batch's fetch): checkpoint it, and on restart load it into a new iterator
+    (`DatasetIterator.load_state_dict` takes it whole) before prefetching from it again. Under
+    `megapack.lockstep_steps`, which reads a step ahead from the prefetcher, checkpoint the
+    lockstep's ``state_dict()`` instead: it counts what the schedule took.
     """
 
     def __init__(
@@ -127,6 +134,7 @@ class Prefetcher:
         data_iterator: Iterator[Any] | None,
         *,
         topology: Topology | None = None,
+        pg_collection: Any = None,
         depth: int = 1,
         timeout: float | None = None,
         nice: int = 10,
@@ -136,17 +144,19 @@ class Prefetcher:
         depth = check_int("prefetch depth", depth, minimum=1)
         nice = check_int("prefetch nice", nice, minimum=0, maximum=19)
         self._nice = nice
-        allowed = set(inspect.signature(get_batch_on_this_tp_rank).parameters) - {
-            "data_iterator",
-            "topology",
-            "timeout",
-        }
+        # get_batch's own keyword options; the topology (or pg_collection) and the timeout are
+        # the prefetcher's, and a Megatron caller's own arguments do not travel through it
+        allowed = {
+            name
+            for name, p in inspect.signature(get_batch_on_this_tp_rank).parameters.items()
+            if p.kind == p.KEYWORD_ONLY
+        } - {"topology", "timeout", "pg_collection"}
         if unknown := sorted(set(options) - allowed):
             raise TypeError(
                 f"prefetch got unknown options {unknown}; it passes on {sorted(allowed)} to "
                 "get_batch_on_this_tp_rank"
             )
-        topo = topology if topology is not None else Topology.from_parallel_state()
+        topo = resolve_topology(topology, pg_collection) or Topology.from_parallel_state()
         self._timeout = comm.collective_timeout(timeout)
         self._iterator = data_iterator
         self._state = state if state is not None else getattr(data_iterator, "state_dict", None)
@@ -215,9 +225,11 @@ class Prefetcher:
         if self._finished is None:  # closed: a batch the thread still finishes is not returned
             self._finished = RuntimeError("this megapack prefetcher is closed; create a new one")
         if self._thread.is_alive():
-            warnings.warn(
-                f"megapack prefetch thread on rank {dist.get_rank()} did not stop within "
-                f"{self._timeout + 5:g} s (a peer is stuck); the data group is not reused",
+            log.warning(
+                "megapack: prefetch thread on rank %d did not stop within %g s (a peer is "
+                "stuck); the data group is not reused",
+                dist.get_rank(),
+                self._timeout + 5,
                 stacklevel=2,
             )
             return

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -37,6 +37,8 @@ import torch.distributed as dist
 from megapack.core.errors import DesyncError, RemoteDataError, RemoteRankError
 from megapack.distributed import comm
 from megapack.distributed.groups import control_group
+
+log = logging.getLogger("megapack.distributed")
 
 T = TypeVar("T")
 DEBUG_ENV = "MEGAPACK_DEBUG_SYNC"
@@ -68,7 +70,8 @@ def lockstep(
 
     Yields:
         This rank's items, while all ranks still have one. Items fetched at the step where another
-        rank ran out are not yielded (a warning says how many ranks still had data).
+        rank ran out are not yielded (each rank that still had one logs a warning, on the
+        ``megapack.distributed`` logger).
 
     Raises:
         RemoteRankError: on every other rank when fetching failed on one rank (naming the rank and
@@ -102,9 +105,11 @@ def lockstep(
             step += 1
             continue
         if status == HAVE:
-            warnings.warn(
-                f"lockstep: rank {dist.get_rank()} still had data at step {step} but another rank ran out; "
+            log.warning(
+                "megapack: lockstep: rank %d still had data at step %d but another rank ran out; "
                 "all ranks stop here (balance the shards, e.g. with PackedDataset sharding)",
+                dist.get_rank(),
+                step,
                 stacklevel=2,
             )
         return

@@ -42,6 +42,7 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
     assert large["documents"] == 10 * small["documents"] and large["tokens"] > 5 * small["tokens"]
     for r in data["pack"]:
         assert r["bare_s"] > 0 and r["pack_s"] > 0 and r["pack_peak_mib"] > 0
+        assert r["pack_anon_mib"] is None or 0 < r["pack_anon_mib"] <= r["pack_peak_mib"], r
         assert r["ratio"] == pytest.approx(r["pack_s"] / r["bare_s"]) and r["verdict"] in (
             "ok",
             "SLOW",
@@ -120,6 +121,23 @@ def test_quick_bench_writes_table_json_and_plots(tmp_path: Path) -> None:
         assert r["imbalance_compute_plan"] <= r["imbalance_token_plan"]
     assert {r["mode"] for r in data["balance_timing"]} == {"token", "compute"}
     assert all(r["slowest_rank_s"] >= r["ideal_s"] > 0 for r in data["balance_timing"])
+    # the run ends with its summary: every target on one line, the same verdicts as the JSON,
+    # and exit code 0 whether or not each was met (docs/benchmarks.md, "Exit code")
+    targets = data["targets"]
+    counts = {
+        s: sum(t["section"] == s for t in targets)
+        for s in ("transfer", "packing", "balance", "pack")
+    }
+    assert counts == {"transfer": 4, "packing": 3, "balance": 2, "pack": 3}, targets
+    met = sum(t["met"] for t in targets)
+    summary = done.stdout[done.stdout.index("## Summary: ") :]
+    assert summary.startswith(f"## Summary: {met} of {len(targets)} targets met")
+    for t in targets:
+        timed = " (timed)" if t["timed"] else ""
+        line = f"| {t['section']} | {t['target']}{timed} | {t['value']} | {'met' if t['met'] else 'NOT MET'} |"
+        assert line in summary.splitlines(), (line, summary)
+    assert done.stdout.rstrip().endswith('docs/benchmarks.md, "Exit code").')
+    assert any("growth for 10x the documents" in t["target"] for t in targets)
 
 
 def test_quick_run_never_overwrites_a_full_run(tmp_path: Path) -> None:

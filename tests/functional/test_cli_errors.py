@@ -91,7 +91,10 @@ def test_pack_reports_inputs_splits_truncations_and_drops(tmp_path: Path, capsys
     assert main(["pack", src, "--seq-len", "32", "--out", str(tmp_path / "o1")]) == 0
     text = capsys.readouterr().out
     assert f"read 3 documents from {src}\n" in text
-    assert "1 document longer than 32 tokens: split into pieces (6 pieces packed in all)" in text
+    assert (
+        "1 of 3 documents longer than --seq-len 32: split into pieces (6 pieces packed in all)\n"
+        in text
+    )
     assert (
         main(
             [
@@ -108,14 +111,14 @@ def test_pack_reports_inputs_splits_truncations_and_drops(tmp_path: Path, capsys
         == 0
     )
     text = capsys.readouterr().out
-    assert "1 document longer than 32 tokens: truncated (69 tokens lost)" in text
+    assert "1 of 3 documents longer than --seq-len 32: truncated (69 tokens lost)\n" in text
     assert ": split into" not in text and ": dropped" not in text
     assert (
         main(["pack", src, "--seq-len", "32", "--out", str(tmp_path / "o3"), "--long-docs", "drop"])
         == 0
     )
     text = capsys.readouterr().out
-    assert "1 document longer than 32 tokens: dropped (101 tokens lost)" in text
+    assert "1 of 3 documents longer than --seq-len 32: dropped (101 tokens lost)\n" in text
     assert "packed into 1 row of 32 tokens" in text and "(lower bound 1 row)" in text
 
 
@@ -132,7 +135,7 @@ def test_singular_counts(tmp_path: Path, capsys: Capture) -> None:
     assert "read 1 document from" in text and "packed into 1 row of 64 tokens" in text
     assert main(["stats", src, "--seq-len", "64", "--search-steps", "300"]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("1 document, 6 tokens;") and "0 documents longer" in text
+    assert text.startswith("1 document, 6 tokens;") and "0 of 1 document longer" in text
     assert re.search(r"\b1 (rows|documents|tokens)\b", text) is None, text
 
 
@@ -363,3 +366,137 @@ def test_cli_a_failure_after_a_checkpoint_keeps_it_for_resume(
     assert "holds an unfinished pack" in one_line_error(capsys.readouterr().err, "pack")
     assert main([*argv, "--resume", "--skip-bad"]) == 0
     assert (out / "meta.json").is_file() and not (tmp_path / "packed.partial").exists()
+
+
+# -- what pack and stats say about the tokenizer and the long documents (issue 46) -----------------
+SKIP_BAD = "; or pass --skip-bad to skip such lines and count them (the report gives the count)"
+
+
+def test_a_bad_line_names_skip_bad_and_what_it_does(tmp_path: Path, capsys: Capture) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "hello"}\n{"prompt": "no completion"}\n')
+    line = (
+        f"{bad}:2: field 'completion': missing, got ['prompt']. Hint: each line needs "
+        '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [{"role": ..., '
+        '"content": ...}, ...]}' + SKIP_BAD
+    )
+    for command, extra in (("pack", ["--out", str(tmp_path / "p")]), ("stats", []),
+                           ("pack", ["--out", str(tmp_path / "w"), "--workers", "2"])):  # fmt: skip
+        assert main([command, str(bad), "--seq-len", "64", *extra]) == 2
+        assert one_line_error(capsys.readouterr().err, command) == (
+            f"megapack {command}: error: {line}"
+        )
+    assert main(["pack", str(bad), "--seq-len", "64", "--out", str(tmp_path / "p"), "--skip-bad"]) == 0  # fmt: skip
+    assert f"read 1 document from {bad}; 1 bad line skipped {{'missing': 1}}\n" in (
+        capsys.readouterr().out
+    )
+    jsonl(tmp_path / "ok.jsonl", ["fine"])  # other errors keep their own words only
+    assert main(["pack", str(tmp_path / "ok.jsonl"), "--seq-len", "64", "--out", str(bad)]) == 2
+    assert "--skip-bad" not in one_line_error(capsys.readouterr().err, "pack")
+
+
+def test_a_bad_line_after_a_checkpoint_names_resume_and_skip_bad(
+    tmp_path: Path, capsys: Capture
+) -> None:
+    src, out = chats(tmp_path / "sft.jsonl", count=301, cut=250), tmp_path / "packed"
+    argv = ["pack", src, "--seq-len", "1024", "--out", str(out), "--checkpoint-every", "100"]
+    assert main(argv) == 2
+    line = one_line_error(capsys.readouterr().err, "pack")
+    assert f"(the pack so far is kept in {out}.partial/: rerun with --resume" in line
+    assert line.endswith(f"or remove it){SKIP_BAD}"), line
+
+
+def test_pack_and_stats_name_the_tokenizer_and_its_vocab(tmp_path: Path, capsys: Capture) -> None:
+    src = jsonl(tmp_path / "d.jsonl", ["hello world"])
+    byte = (
+        "tokenizer: megapack.data.ByteTokenizer, vocab 259 (the built-in byte tokenizer: "
+        "--tokenizer DIR packs with your model's)\n"
+    )
+    assert main(["pack", src, "--seq-len", "64", "--out", str(tmp_path / "p")]) == 0
+    assert f"read 1 document from {src}\n{byte}" in capsys.readouterr().out
+    stats = ["stats", src, "--seq-len", "64", "--search-steps", "10"]
+    assert main([*stats, "--json", str(tmp_path / "s.json")]) == 0
+    assert byte in capsys.readouterr().out
+    figures = json.loads((tmp_path / "s.json").read_text())
+    assert (figures["tokenizer"], figures["vocab_size"], figures["eos_id"]) == (
+        "megapack.data.ByteTokenizer",
+        259,
+        257,
+    )
+    tokenizers = pytest.importorskip("tokenizers")  # in the test extra: never skipped in CI
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "<end>": 3}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<end>"])
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    hf = ["--tokenizer", str(path), "--eos-token", "<end>"]
+    assert main(["pack", src, "--seq-len", "8", "--out", str(tmp_path / "q"), *hf]) == 0
+    assert f"\ntokenizer: {path}, vocab 4 (eos id 3)\n" in capsys.readouterr().out
+    assert main([*stats, *hf]) == 0
+    assert f"\ntokenizer: {path}, vocab 4 (eos id 3)\n" in capsys.readouterr().out
+    ids = tmp_path / "t.npy"
+    np.save(ids, np.array([5, 6, 0, 7, 8, 9, 0]))
+    assert main(["pack", str(ids), "--seq-len", "8", "--out", str(tmp_path / "n"), "--eos-id", "0"]) == 0  # fmt: skip
+    assert (
+        "\ntokenizer: none, token ids read as they are (vocab unknown; documents end at --eos-id "
+        "0)\n"
+    ) in capsys.readouterr().out
+
+
+def long_tail(path: Path) -> str:
+    """100 documents of byte tokens (+1 eos): 94 of 100, 5 of 300, 1 of 1,000. Sorted, the 95%
+    quantile (the next length up from position 94.05 of 99) is 300 and the 99% one (98.01) is
+    1,000: rounded up to multiples of 128, 384 and 1,024."""
+    return jsonl(path, ["a" * 99] * 94 + ["b" * 299] * 5 + ["c" * 999])
+
+
+def test_pack_and_stats_count_the_documents_cut_and_suggest_a_seq_len(
+    tmp_path: Path, capsys: Capture
+) -> None:
+    src = long_tail(tmp_path / "d.jsonl")
+    fewer = (
+        "  fewer cut: --seq-len 384 would {verb} 1 (95% of the documents fit whole), --seq-len "
+        "1,024 would {verb} 0 (99%): each the length covering that share, rounded up to a "
+        "multiple of 128\n"
+    )
+    assert main(["pack", src, "--seq-len", "128", "--out", str(tmp_path / "p")]) == 0
+    pieces = 94 + 5 * 3 + 8  # 300 tokens: 3 pieces of at most 128; 1,000: 8
+    assert (
+        f"\n6 of 100 documents longer than --seq-len 128: split into pieces ({pieces} pieces "
+        f"packed in all)\n{fewer.format(verb='split')}packed into "
+    ) in capsys.readouterr().out
+    truncate = ["--long-docs", "truncate", "--out", str(tmp_path / "t")]
+    assert main(["pack", src, "--seq-len", "128", *truncate]) == 0
+    lost = 5 * (300 - 128) + (1000 - 128)
+    assert (
+        f"\n6 of 100 documents longer than --seq-len 128: truncated ({lost:,} tokens lost)\n"
+        f"{fewer.format(verb='truncate')}packed into "
+    ) in capsys.readouterr().out
+    stats = ["stats", src, "--seq-len", "128", "--search-steps", "10"]
+    assert main([*stats, "--json", str(tmp_path / "s.json")]) == 0
+    assert (
+        f"\n6 of 100 documents longer than --seq-len 128 ({lost:,} tokens beyond): `megapack "
+        f"pack` splits them by default (--long-docs)\n{fewer.format(verb='split')}"
+    ) in capsys.readouterr().out
+    figures = json.loads((tmp_path / "s.json").read_text())
+    assert figures["documents_longer"] == 6
+    assert figures["seq_len_covering"] == {"0.95": 384, "0.99": 1024}
+    # --seq-len 512 holds 95% already: only the 99% length; a padding multiple rounds too
+    assert main(["stats", src, "--seq-len", "512", "--search-steps", "10"]) == 0
+    assert (
+        "\n1 of 100 documents longer than --seq-len 512 (488 tokens beyond): `megapack pack` "
+        "splits them by default (--long-docs)\n  fewer cut: --seq-len 1,024 would split 0 (99% "
+        "of the documents fit whole): each the length covering that share, rounded up to a "
+        "multiple of 128\n"
+    ) in capsys.readouterr().out
+    assert main(["stats", src, "--seq-len", "129", "--pad-multiple", "3", "--search-steps", "10"]) == 0  # fmt: skip
+    assert (
+        "  fewer cut: --seq-len 384 would split 1 (95% of the documents fit whole), --seq-len "
+        "1,152 would split 0 (99%): each the length covering that share, rounded up to a "
+        "multiple of 384\n"
+    ) in capsys.readouterr().out
+    assert main(["stats", src, "--seq-len", "1024", "--search-steps", "10"]) == 0
+    text = capsys.readouterr().out
+    assert "\n0 of 100 documents longer than --seq-len 1,024 (0 tokens beyond)\n" in text
+    assert "fewer cut" not in text

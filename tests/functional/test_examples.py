@@ -15,6 +15,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def torchrun(nproc: int, script: str, *args: str) -> str:
+    """The example's stdout, Python's warnings off."""
+    return launch(nproc, script, *args).stdout
+
+
+def launch(
+    nproc: int, script: str, *args: str, warnings: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/<script>`` under torchrun on CPU; fail naming its output if it fails.
+    ``warnings``: keep Python's warnings (default: ``PYTHONWARNINGS=ignore``)."""
     cmd = [
         sys.executable,
         "-m",
@@ -24,12 +33,15 @@ def torchrun(nproc: int, script: str, *args: str) -> str:
         f"examples/{script}",
         *args,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONWARNINGS", None)
+    if not warnings:
+        env["PYTHONWARNINGS"] = "ignore"
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, (
         f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     )
-    return done.stdout
+    return done
 
 
 def test_demo_prints_every_rank_and_stops_cleanly() -> None:
@@ -78,9 +90,22 @@ def test_rl_example_runs_a_grpo_step_with_declared_fields(grid: list[str]) -> No
     assert len(losses) == 3 and losses[-1] < losses[0], out  # the surrogate goes down
 
 
+STEP_LINE = re.compile(
+    r"^step (\d+): loss (\d+\.\d+) over (\d+) trained tokens; (\d+) real tokens in "
+    r"(\d+\.\d+) s: ([\d,]+) real tokens/s$",
+    re.M,
+)
+"""The quickstart's line a step (examples/quickstart.py's docstring)."""
+
+
 def test_quickstart_packs_a_jsonl_file_then_trains_through_the_schedule(tmp_path: Path) -> None:
     """The README's quickstart as it reads: `megapack pack`, then examples/quickstart.py on
-    tp 2 x pp 2 (megatron-core's 1F1B, DDP, per-token loss, lockstep_steps)."""
+    tp 2 x pp 2 (megatron-core's 1F1B, DDP, per-token loss, lockstep_steps); each step's trained
+    and real tokens counted once (the step's own, from the dataset), megatron-core's harmless
+    warnings quiet and megapack's INFO lines shown."""
+    from megapack.core.quiet import HARMLESS, HARMLESS_WITHOUT_CUDA
+    from megapack.data import PackedDataset
+
     words = [
         "a",
         "packed",
@@ -103,8 +128,24 @@ def test_quickstart_packs_a_jsonl_file_then_trains_through_the_schedule(tmp_path
             "--seq-len", "256", "--out", str(tmp_path / "packed")]  # fmt: skip
     done = subprocess.run(pack, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    out = torchrun(4, "quickstart.py", str(tmp_path / "packed"), "--tp", "2", "--pp", "2")
-    losses = [
-        float(x) for x in re.findall(r"^step \d+: loss (\d+\.\d+) over \d+ trained", out, re.M)
-    ]
-    assert len(losses) == 3 and losses[-1] < losses[0], out
+    run = launch(4, "quickstart.py", str(tmp_path / "packed"), "--tp", "2", "--pp", "2",
+                 warnings=True)  # fmt: skip
+    steps = STEP_LINE.findall(run.stdout)
+    assert [int(s[0]) for s in steps] == [0, 1, 2], run.stdout
+    losses = [float(s[1]) for s in steps]
+    assert losses[-1] < losses[0], run.stdout
+    # dp 1 (4 ranks = tp 2 x pp 2): a step is the quickstart's 2 micro-batches of 2 rows
+    data = PackedDataset.load(tmp_path / "packed", rows_per_micro_batch=2, micro_batches=2,
+                              loss_fields=True)  # fmt: skip
+    pad = data.pad_token_id  # the byte tokenizer's pad id is no byte: every other token is real
+    for step, (_, _, trained, real, seconds, rate) in enumerate(steps):
+        batches = [data[2 * step + i] for i in range(2)]
+        assert int(trained) == int(batches[0].extras["loss_step"][0, 0]), run.stdout  # once
+        assert int(trained) == sum(int(b.loss_mask.sum()) for b in batches)
+        assert int(real) == sum(int((b.tokens != pad).sum()) for b in batches), run.stdout
+        low, high = float(seconds) - 0.005, float(seconds) + 0.005  # printed to 0.01 s
+        assert int(real) / high - 1 <= int(rate.replace(",", "")) <= int(real) / low + 1, run.stdout
+    for message, _why in HARMLESS + HARMLESS_WITHOUT_CUDA:  # quiet_megatron's, on every rank
+        assert not re.search(message, run.stderr), run.stderr[-3000:]
+    info = re.findall(r"^\[rank \d\] INFO ", run.stderr, re.M)  # only megapack's logger is INFO
+    assert info, run.stderr[-3000:]

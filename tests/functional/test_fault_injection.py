@@ -11,10 +11,10 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import logging
 import os
 import signal
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,8 +66,11 @@ def run_lockstep(
     lengths: list[int], fail_rank: int | None = None, fail_at: int | None = None
 ) -> Any:
     rank = dist.get_rank()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    caught: list[str] = []  # what megapack logs here at WARNING and above
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: caught.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("megapack").addHandler(handler)
+    try:
         result = outcome(
             lambda: list(
                 megapack.lockstep(
@@ -75,7 +78,9 @@ def run_lockstep(
                 )
             )
         )
-    return result, [str(w.message) for w in caught]
+    finally:
+        logging.getLogger("megapack").removeHandler(handler)
+    return result, caught
 
 
 def test_uneven_lengths_stop_together(pool: WorkerPool) -> None:
@@ -83,6 +88,8 @@ def test_uneven_lengths_stop_together(pool: WorkerPool) -> None:
     for rank, ((kind, value, _), warned) in enumerate(results):
         assert (kind, value) == ("ok", "[0, 1, 2]"), rank
         assert bool(warned) == (rank in (1, 2)), (rank, warned)  # they still had data at step 3
+        if warned:
+            assert warned == [f"megapack: lockstep: rank {rank} still had data at step 3 but another rank ran out; all ranks stop here (balance the shards, e.g. with PackedDataset sharding)"]  # fmt: skip
 
 
 def test_rank_failing_in_lockstep_reaches_every_rank(pool: WorkerPool) -> None:
@@ -469,9 +476,13 @@ def run_dataset_lockstep(sizes: list[int]) -> Any:
         rank
     ]
     dataset = PackedDataset(docs, 32)  # one document per row: sizes[rank] micro-batches
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    quiet = logging.getLogger("megapack.distributed")  # ranks that still had data say so
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
         return len(dataset), sum(1 for _ in dataset.iterate(lockstep=True))
+    finally:
+        quiet.setLevel(level)
 
 
 def test_packed_dataset_iterates_in_lockstep(pool: WorkerPool) -> None:

@@ -13,7 +13,7 @@ schedules themselves are in test_schedule_lockstep.py.
 from __future__ import annotations
 
 import contextlib
-import warnings
+import logging
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
@@ -37,15 +37,27 @@ def documents(n: int) -> list[Document]:
     return [Document(tokens=rng.integers(1, 99, 8), loss_mask=np.ones(8, np.float32)) for _ in range(n)]  # fmt: skip
 
 
+@contextlib.contextmanager
+def logged() -> Iterator[list[str]]:
+    """The messages megapack logs on this rank at WARNING and above (its "megapack" logger)."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("megapack").addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logging.getLogger("megapack").removeHandler(handler)
+
+
 def outcome(fn: Any) -> tuple[str, str, list[str]]:
     """(exception type or "ok", message or value, lockstep warnings) of ``fn()`` on this rank."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with logged() as caught:
         try:
             kind, text = "ok", repr(fn())
         except Exception as exc:
             kind, text = type(exc).__name__, str(exc)
-    return kind, text, [str(w.message) for w in caught if "lockstep_steps" in str(w.message)]
+    return kind, text, [m for m in caught if "lockstep_steps" in m and "stopped at step" not in m]
 
 
 def ident(batch: dict[str, Any]) -> int:
@@ -165,18 +177,17 @@ def test_agree_peer_iterator_is_ignored_with_one_warning(dist_pool: Any, through
     assert [r[:2] for r in results] == [("ok", want)] * 2, results  # the source's batches
     if through == "lockstep_steps":
         assert len(results[1][2]) == 1 and results[0][2] == [], results
-        assert results[1][2][0].startswith("lockstep_steps: rank 1 is TP rank 1, not its group's TP source (global rank 0): its data_iterator is ignored")  # fmt: skip
+        assert results[1][2][0].startswith("megapack: lockstep_steps: rank 1 is TP rank 1, not its group's TP source (global rank 0): its data_iterator is ignored")  # fmt: skip
 
 
 def run_peer_warning_count() -> int:
     """How many warnings get_batch gives a peer that passes an iterator on every call."""
     topo = grid_topology(2, 1)
     data = iter([megapack.PackedBatch.from_documents([[1, 2]], seq_len=4)] * 3)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with logged() as caught:
         for _ in range(3):
             megapack.get_batch_on_this_tp_rank(data, topology=topo)
-    return sum("its data_iterator is ignored" in str(w.message) for w in caught)
+    return sum("its data_iterator is ignored" in m for m in caught)
 
 
 def test_agree_peer_iterator_warning_comes_once_per_tp_group(dist_pool: Any) -> None:
@@ -243,9 +254,11 @@ def test_lockstep_steps_every_rank_runs_the_same_collectives(dist_pool: Any) -> 
     results = dist_pool.run(run_collectives, 4, [7, 4], timeout=60)
     logs = [log for _, log in results]
     assert all(log == logs[0] for log in logs), logs
-    # the agreement (lengths, then bytes), then one 4-byte flag a step: 3 steps (2 run, 1 stops)
-    assert [name for name, _, _ in logs[0]] == ["all_gather", "all_gather"] + ["all_reduce"] * 3
+    # step 0 read, then the agreement (lengths, then bytes), then one 4-byte flag a step: 3 steps
+    # (2 run, 1 stops); then the end's report (steps and tokens), one 3 x int64 all-gather
+    assert [name for name, _, _ in logs[0]] == ["all_gather"] * 2 + ["all_reduce"] * 3 + ["all_gather"]  # fmt: skip
     assert [size for name, size, _ in logs[0] if name == "all_reduce"] == [4, 4, 4]
+    assert logs[0][-1][1] == 24 * (4 + 1)  # [status, items left, tokens] in, 4 ranks' out
     for rank, ((kind, value, warned), _) in enumerate(results):
         assert (kind, value) == ("ok", "[1, 2, 3, 4]"), (rank, kind, value)  # 2 steps everywhere
         assert bool(warned) == (rank == 0), (rank, warned)  # stage 0's source still had step 2

@@ -19,10 +19,11 @@ deadline and a restart). Here a regression shows as a failure at the deadline, n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,6 +98,23 @@ def source_data(case: Case, dp_rank: int, dp_size: int) -> tuple[Iterator[Any], 
     return ds.iterate(), ds
 
 
+@contextlib.contextmanager
+def logged() -> Iterator[list[logging.LogRecord]]:
+    """This rank's megapack log records, INFO and above (a handler on the "megapack" logger)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("megapack")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def prefetched_step(topology: Any, data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
     """A forward step fed by `megapack.prefetch`: the batch is already delivered."""
     batch = next(data_iterator)
@@ -158,8 +176,7 @@ def _run_case(
         num_microbatches=M, seq_length=S, micro_batch_size=1, forward_only=case.forward_only,
     )  # fmt: skip
     done, start = 0, time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with logged() as caught:
         try:
             if wrap:
                 dataset = read[0][1] if read else None  # behind failing(): not found alone
@@ -183,9 +200,12 @@ def _run_case(
         finally:
             for p in ahead:
                 p.close()
+    warned = [r.getMessage() for r in caught if r.levelno >= logging.WARNING]
     return {"rank": dist.get_rank(), "source": topo.is_source, "dp_rank": dp_rank,
             "kind": kind, "message": message, "steps": done, "seconds": time.perf_counter() - start,
-            "warnings": [str(w.message) for w in caught if "lockstep_steps" in str(w.message)]}  # fmt: skip
+            "warnings": [w for w in warned if "lockstep_steps" in w and "stopped at" not in w],
+            "ended": [(r.levelname, r.getMessage()) for r in caught
+                      if "lockstep_steps stopped at" in r.getMessage()]}  # fmt: skip
 
 
 # ------------------------------------------------------------------ what every rank must see
@@ -221,6 +241,25 @@ def warned(outcome: dict[str, Any], text: str) -> bool:
     return any(text in w for w in outcome["warnings"])
 
 
+TRAINED = S - 1  # trained tokens a micro-batch: one document of S tokens, its last has no label
+
+
+def expect_end_line(case: Case, outcomes: list[dict[str, Any]], *, steps: int, dp: int = 1) -> None:
+    """Global rank 0 alone logged one line: the step, the rank and why, the steps and trained
+    tokens handed to the schedule across the job (every DP rank's)."""
+    assert [o["ended"] for o in outcomes[1:]] == [[]] * (len(outcomes) - 1), outcomes
+    ((level, line),) = outcomes[0]["ended"]
+    trained = f"trained {steps} step{'' if steps == 1 else 's'} and {steps * M * TRAINED * dp} trained tokens (loss_mask non-zero) handed to the schedule across the job"  # fmt: skip
+    if case.data in ("error", "bad"):
+        head = f"megapack: lockstep_steps stopped at step {steps}: rank {case.fail} failed: "
+        assert level == "ERROR" and line.startswith(head) and line.endswith("; " + trained), line
+        assert ("unreadable at item 3" if case.data == "error" else "cu_seqlens") in line, line
+    elif case.data == "partial":
+        assert (level, line) == ("WARNING", f"megapack: lockstep_steps stopped at step {steps}: the data on rank 0 ended after 1 of its {M} micro-batches (the partial step is not run); {trained}"), line  # fmt: skip
+    else:
+        assert level == "INFO" and line.startswith(f"megapack: lockstep_steps stopped at step {steps}: the data on rank ") and line.endswith(f" ended at the step boundary; {trained}"), line  # fmt: skip
+
+
 TRAIN_END = Case("train-end", "end")
 TRAIN_ERROR = Case("train-error", "error")
 EVAL_PARTIAL = Case("eval-partial", "partial", forward_only=True)
@@ -233,12 +272,15 @@ def check_common(cases: list[Case], results: list[list[dict[str, Any]]]) -> None
         if case.data == "end":
             expect(case, outcomes, steps=3)
             assert not any(o["warnings"] for o in outcomes), outcomes
+            expect_end_line(case, outcomes, steps=3)
         elif case.data in ("error", "bad"):
             expect(case, outcomes, steps=1)
+            expect_end_line(case, outcomes, steps=1)
         elif case.data == "schedule":
             expect(case, outcomes, steps=0)
         elif case.data == "partial":
             expect(case, outcomes, steps=2)
+            expect_end_line(case, outcomes, steps=2)
             for o in outcomes:  # the sources say what was left, and that the dataset is built for 1
                 assert warned(o, "ended after 1 of step 2's 2 micro-batches") == o["source"], o
                 assert warned(o, "built for micro_batches=1 a step") == o["source"], o
@@ -275,7 +317,10 @@ def test_schedule_lockstep_uneven_dp_sources(dist_pool: Any) -> None:
         expect(case, outcomes, steps=2)
         for o in outcomes:  # ranks with a third step say they stop early
             assert warned(o, "still had step 2's data") == (o["dp_rank"] == 0), o
+        expect_end_line(case, outcomes, steps=2, dp=2)
+        assert "the data on rank 1 ended" in outcomes[0]["ended"][0][1]  # DP rank 1's source
     expect(cases[2], [r[2] for r in results], steps=1)
+    expect_end_line(cases[2], [r[2] for r in results], steps=1, dp=2)
 
 
 def test_schedule_lockstep_over_prefetch(dist_pool: Any) -> None:

@@ -5,7 +5,7 @@ argument checks."""
 from __future__ import annotations
 
 import json
-import warnings
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +20,22 @@ def documents(n: int, length: int = 8) -> list[Document]:
     return [Document(tokens=np.arange(1, length + 1), loss_mask=np.ones(length, np.float32))] * n
 
 
-def test_agree_filler_warning_names_the_counts() -> None:
+def filler_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "zero-loss filler" in r.getMessage()]
+
+
+def test_agree_filler_warning_names_the_counts(caplog: pytest.LogCaptureFixture) -> None:
     # the issue's case: 86 rows, micro_batches=1000 on one DP rank -> 914 filler micro-batches
-    with pytest.warns(UserWarning, match=r"914 of the epoch's 1,000 micro-batches \(91%\) are zero-loss filler: 86 micro-batches of data padded to whole steps of dp_size 1 x micro_batches 1000 = 1,000"):  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="megapack"):
         ds = PackedDataset(documents(86), 8, micro_batches=1000)
     assert len(ds) == 1000
+    (record,) = filler_records(caplog)
+    assert (record.name, record.levelno) == ("megapack.data", logging.WARNING)
+    assert record.getMessage().startswith(
+        "megapack: PackedDataset: 914 of the epoch's 1,000 micro-batches (91%) are zero-loss "
+        "filler: 86 micro-batches of data padded to whole steps of dp_size 1 x micro_batches "
+        "1000 = 1,000. Every filler micro-batch costs"
+    )
 
 
 @pytest.mark.parametrize(
@@ -38,22 +49,25 @@ def test_agree_filler_warning_names_the_counts() -> None:
     ],
 )
 def test_agree_filler_warning_above_a_tenth_of_the_epoch(
-    rows: int, dp_size: int, micro_batches: int, warns: bool
+    rows: int, dp_size: int, micro_batches: int, warns: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level(logging.WARNING, logger="megapack"):
         PackedDataset(documents(rows), 8, dp_size=dp_size, micro_batches=micro_batches)
-    filler = [w for w in caught if "zero-loss filler" in str(w.message)]
-    assert bool(filler) == warns, [str(w.message) for w in caught]
+    filler = filler_records(caplog)
+    assert bool(filler) == warns, caplog.text
     if warns:
-        assert filler[0].filename == __file__  # it points at the caller's line
+        assert filler[0].pathname == __file__  # it points at the caller's line
 
 
-def test_agree_filler_warning_on_load_points_at_the_caller(tmp_path: Path) -> None:
+def test_agree_filler_warning_on_load_points_at_the_caller(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     PackedDataset(documents(5), 8).save(tmp_path / "packed")
-    with pytest.warns(UserWarning, match=r"3 of the epoch's 8 micro-batches \(38%\)") as caught:
+    with caplog.at_level(logging.WARNING, logger="megapack"):
         PackedDataset.load(tmp_path / "packed", dp_size=2, micro_batches=4)
-    assert caught[0].filename == __file__
+    (record,) = filler_records(caplog)
+    assert "3 of the epoch's 8 micro-batches (38%)" in record.getMessage()
+    assert record.pathname == __file__
 
 
 def test_agree_settings_hold_the_identity_and_the_dealing() -> None:

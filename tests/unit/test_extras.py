@@ -3,8 +3,10 @@ the refusals that name the document, the field and the fix."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -125,3 +127,92 @@ def test_extras_that_are_not_named_tensors_are_refused_in_full(
         check_extras(extras)
     assert str(info.value) == message
     check_extras({"x": torch.zeros(1), "y_2": torch.ones(2, 3)})  # named tensors pass
+
+
+# -- the undeclared-keys error names megapack's own declarations (issue 46) ------------------------
+LOSS_HINT = (
+    "megapack's loss fields (which loss_fields=True or with_loss_fields adds): pass "
+    "fields={fields} to get_batch_on_this_tp_rank, lockstep_steps and prefetch alike"
+)
+
+
+def loss_batch(**extra: Any) -> PackedBatch:
+    """The first micro-batch of a dataset loaded with loss_fields=True, ``extra`` in its extras."""
+    from megapack.data import Document, PackedDataset
+
+    docs = [Document(tokens=np.array(t), loss_mask=np.ones(len(t))) for t in ([1, 2, 3], [4, 5])]
+    batch = PackedDataset(docs, seq_len=8, loss_fields=True)[0]
+    return dataclasses.replace(batch, extras={**batch.extras, **extra})
+
+
+def refusal(batch: PackedBatch, fields: tuple[BatchField, ...] = ()) -> str:
+    """What the TP source raises, on one rank, for ``batch`` under ``fields=``."""
+    from megapack import Topology, get_batch_on_this_tp_rank
+
+    with pytest.raises(ValueError) as info:
+        get_batch_on_this_tp_rank(iter([batch]), topology=Topology.single(), fields=fields)
+    return str(info.value)
+
+
+def test_undeclared_loss_fields_name_loss_fields_in_full() -> None:
+    assert refusal(loss_batch()) == (
+        "PackedBatch.extras has undeclared keys ['loss_documents', 'loss_step']: "
+        + LOSS_HINT.format(fields="megapack.LOSS_FIELDS")
+    )
+    adv = torch.zeros(1, 8)
+    assert refusal(loss_batch(adv=adv), (ADV,)) == (  # add them to the fields already given
+        "PackedBatch.extras has undeclared keys ['loss_documents', 'loss_step']: "
+        + LOSS_HINT.format(fields="(*megapack.LOSS_FIELDS, *your_fields)")
+    )
+    assert (
+        refusal(loss_batch(adv=adv))
+        == (  # and a key of the trainer's own
+            "PackedBatch.extras has undeclared keys ['adv', 'loss_documents', 'loss_step']: "
+            + LOSS_HINT.format(fields="(*megapack.LOSS_FIELDS, *your_fields)")
+            + "; declare each other key (['adv']) with fields=(megapack.BatchField(name, per, "
+            "dtype, stages), ...) or drop it"
+        )
+    )
+
+
+def test_undeclared_bucket_fields_name_bucket_fields_in_full() -> None:
+    from megapack import BUCKET_FIELDS, LOSS_FIELDS
+
+    plan = {f.name: torch.zeros(0, dtype=torch.int32) for f in BUCKET_FIELDS}
+    row = dataclasses.replace(PackedBatch.from_documents([[1, 2, 3]]), extras=plan)
+    assert refusal(row) == (
+        f"PackedBatch.extras has undeclared keys {sorted(plan)}: megapack's attention bucket "
+        "plan: pass fields=megapack.BUCKET_FIELDS to get_batch_on_this_tp_rank, lockstep_steps "
+        "and prefetch alike"
+    )
+    assert refusal(loss_batch(**plan), LOSS_FIELDS).endswith(
+        "megapack's attention bucket plan: pass fields=(*megapack.BUCKET_FIELDS, *your_fields) "
+        "to get_batch_on_this_tp_rank, lockstep_steps and prefetch alike"
+    )
+    both = refusal(loss_batch(**plan))
+    assert ("megapack's loss fields (which loss_fields=True or with_loss_fields adds) and "
+            "megapack's attention bucket plan: pass fields=(*megapack.LOSS_FIELDS, "
+            "*megapack.BUCKET_FIELDS) to ") in both  # fmt: skip
+
+
+def test_a_megatron_dict_with_loss_fields_names_loss_fields_in_full() -> None:
+    from megapack import with_loss_fields
+
+    tokens = torch.arange(8).reshape(1, 8)
+    sft = {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(1, 8),
+           "position_ids": torch.arange(8)[None], "cu_seqlens": torch.tensor([[0, 3, 8]])}  # fmt: skip
+    (item,) = with_loss_fields([sft], micro_batches=1, group=None)
+    message = refusal(item)  # type: ignore[arg-type]
+    assert message.startswith("batch has undeclared keys ['loss_documents', 'loss_step']; ")
+    assert message.endswith(
+        "and the fields= declarations (none): " + LOSS_HINT.format(fields="megapack.LOSS_FIELDS")
+    )
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    from megapack.core import extras
+
+    result = doctest.testmod(extras, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted > 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import threading
 import time
@@ -529,7 +530,7 @@ def test_a_failed_agreement_is_final(monkeypatch: pytest.MonkeyPatch, how: str) 
 
 
 def test_a_stuck_thread_is_warned_about_and_its_data_group_kept(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     grid = Grid(monkeypatch)
     monkeypatch.setattr(prefetch_module.comm, "collective_timeout", lambda timeout: -4.8)
@@ -540,20 +541,21 @@ def test_a_stuck_thread_is_warned_about_and_its_data_group_kept(
         assert next(batches) == {"item": 0}
         wait_until(lambda: len(calls) == 2)  # the thread is stuck in batch 1
         text = (
-            "megapack prefetch thread on rank 7 did not stop within 0.2 s (a peer is stuck); "
+            "megapack: prefetch thread on rank 7 did not stop within 0.2 s (a peer is stuck); "
             "the data group is not reused"
         )
         t0 = time.monotonic()
-        with pytest.warns(UserWarning) as record:
+        with caplog.at_level(logging.WARNING, logger="megapack"):
             batches.close()
         assert 0.19 < time.monotonic() - t0 < 0.7  # joined for timeout + 5 s
-        assert [str(w.message) for w in record] == [text]
-        assert record[0].filename != prefetch_module.__file__  # points at a caller
-        warned: list[tuple[str, dict[str, Any]]] = []
-        fake = types.SimpleNamespace(warn=lambda message, **kw: warned.append((message, kw)))
-        monkeypatch.setattr(prefetch_module, "warnings", fake)
-        batches.close()  # again while it is still stuck
-        assert warned == [(text, {"stacklevel": 2})]  # the line that called close()
+        assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+            ("megapack.delivery", logging.WARNING, text)
+        ]
+        assert caplog.records[0].pathname == __file__  # the line that called close()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megapack"):
+            batches.close()  # again while it is still stuck
+        assert [r.getMessage() for r in caplog.records] == [text]
         assert grid.slots() == [(grid.data[0], True)]
     finally:
         release.set()

@@ -276,7 +276,7 @@ def a_state() -> dict[str, Any]:
 
 
 STATE_KEYS = ("version", "fingerprint", "rows", "seed", "rows_per_micro_batch", "balance",
-              "epoch", "index", "dp_size", "micro_batches", "plan")  # fmt: skip
+              "epoch", "index", "dp_size", "micro_batches", "plan", "cost")  # fmt: skip
 
 
 @pytest.mark.parametrize("key", STATE_KEYS)
@@ -303,11 +303,14 @@ def test_resume_refuses_a_state_missing_any_key_on_load(key: str) -> None:
         ("rows_per_micro_batch", -2, ValueError, r"state\['rows_per_micro_batch'\] must be an int >= 1"),
         ("balance", 1, TypeError, r"state\['balance'\] must be a str, got int 1"),
         ("fingerprint", None, TypeError, r"state\['fingerprint'\] must be a str, got NoneType None"),
+        ("cost", 1.0, TypeError, r"state\['cost'\] must be None or a CostModel's \{'a': \.\.\., 'b': \.\.\.\}, got 1\.0"),
+        ("cost", {"a": "1", "b": 0}, TypeError, r"state\['cost'\]\['a'\] must be a number, got str '1'"),
+        ("cost", {"a": 1.0, "b": 0.0}, ValueError, r"the checkpoint's dataset has cost=\{'a': 1\.0, 'b': 0\.0\}, this one has cost=None"),
         ("plan", "2,2", TypeError, r"state\['plan'\] must be a list \[dp_size, micro_batches\], got str '2,2'"),
         ("plan", [2], ValueError, r"state\['plan'\] must be \[dp_size, micro_batches\], got \[2\]"),
         ("plan", [2, -1], ValueError, r"state\['plan'\]\[1\] must be an int >= 1, got -1"),
         ("plan", [4, 2], ValueError, r"state\['plan'\]=\[4, 2\] is a global batch of 8 micro-batches"),
-        ("version", 3, ValueError, r"state\['version'\]=3: written by a later megapack"),
+        ("version", 4, ValueError, r"state\['version'\]=4: written by a later megapack"),
         ("version", "2", TypeError, r"state\['version'\] must be an int >= 1, got str '2'"),
         ("index", 999, ValueError, r"state\['index'\]=999 is past the end of its epoch: each of the "
                                    r"checkpoint's 2 DP ranks has \d+ micro-batches an epoch"),
@@ -330,12 +333,101 @@ def test_resume_refuses_what_is_not_an_iterator_state() -> None:
     it = dataset(0, 1, "token").iterate()
     with pytest.raises(TypeError, match=r"a DatasetIterator state is a dict .*, got list \[1, 2\]"):
         it.load_state_dict([1, 2])  # type: ignore[arg-type]
-    with pytest.raises(
-        ValueError, match=r"megapack.prefetch's state_dict .*load its state\['iterator'\]"
-    ):
-        it.load_state_dict({"used": 2, "iterator": a_state()})
     with pytest.raises(ValueError, match=r"the state has no 'version'"):
         it.load_state_dict({})
+
+
+def lockstep_state(*positions: Any) -> dict[str, Any]:
+    return {"kind": "megapack.lockstep_steps", "version": 1, "steps": 1,
+            "taken": [0] * len(positions), "iterators": list(positions)}  # fmt: skip
+
+
+def test_resume_takes_a_prefetchers_and_a_locksteps_state() -> None:
+    # what each wiring saves (docs/delivery.md, "Exact resume"): all resume at their position
+    for state in ({"used": 2, "iterator": a_state()}, lockstep_state(a_state()),
+                  lockstep_state(a_state(), a_state()), lockstep_state(None, a_state())):  # fmt: skip
+        it = dataset(0, 2, "token").iterate()
+        it.load_state_dict(json.loads(json.dumps(state)))
+        assert it.index == 2, state
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ({"used": 0, "iterator": None}, "this megapack.prefetch state holds no data position "
+         r"\(state\['iterator'\] is None\): it was taken on a TP rank other than the source, or "
+         r"over an iterator without state_dict\(\); save the TP source's"),
+        (lockstep_state(None), r"this lockstep_steps state holds no data position \(state\['iterators'\] "
+         r"is \[None\]\): it was saved on a rank that reads no data \(a TP peer, or a middle stage "
+         r"without data\); save global rank 0's \(the first stage's TP source\)"),
+        (lockstep_state(a_state(), a_state() | {"index": 1}), "this lockstep_steps state's model "
+         r"chunks are at different positions \(it was saved inside the schedule\): load "
+         r"state\['iterators'\]\[k\] into model chunk k's iterator"),
+    ],
+    ids=["prefetch-on-a-peer", "lockstep-on-a-peer", "lockstep-chunks-apart"],
+)  # fmt: skip
+def test_resume_says_what_to_load_when_a_state_holds_no_position(
+    state: dict[str, Any], message: str
+) -> None:
+    it = dataset(0, 2, "token").iterate()
+    with pytest.raises(ValueError, match=message):
+        it.load_state_dict(state)
+    assert it.index == 0
+
+
+def compute_dataset(cost: CostModel) -> PackedDataset:
+    return PackedDataset(DOCS, seq_len=SEQ, rows_per_micro_batch=ROWS, dp_size=2,
+                         micro_batches=GLOBAL // 2, balance="compute", cost=cost)  # fmt: skip
+
+
+def test_resume_refuses_another_cost_model_under_compute_balance_naming_both() -> None:
+    # The issue's silent case: the epoch's order depends on the cost model, so a resume under
+    # another one trained rows twice or never; both models are named, with the one to pass.
+    flops = CostModel.from_shape(hidden=64, ffn=256, layers=2, heads=4, vocab=1000)
+    tokens = CostModel.tokens()
+    assert compute_dataset(flops).order().tolist() != compute_dataset(tokens).order().tolist()
+    it = compute_dataset(flops).iterate()
+    for _ in range(2):
+        next(it)
+    state = json.loads(json.dumps(it.state_dict()))
+    assert state["cost"] == {"a": 973824.0, "b": 768.0}
+    other = compute_dataset(tokens).iterate()
+    with pytest.raises(ValueError) as caught:
+        other.load_state_dict(state)
+    assert str(caught.value) == (
+        "cannot resume: the checkpoint's epoch was ordered with CostModel(a=973824.0, b=768.0), "
+        "this run's is CostModel(a=1.0, b=0.0): with balance='compute' the epoch's order depends "
+        "on the cost model, so rows would be trained twice or never; load the dataset with the "
+        "checkpoint's (LoadOptions(balance='compute', cost=CostModel(a=973824.0, b=768.0)))"
+    )
+    assert other.index == 0
+    same = compute_dataset(CostModel(a=973824, b=768)).iterate()  # the same model, ints given
+    same.load_state_dict(state)
+    assert torch.equal(next(same).tokens, next(it).tokens)
+
+
+def test_resume_reads_a_version_2_state_where_the_cost_model_cannot_matter() -> None:
+    # states written before the cost model was recorded: token balance loads as before; under
+    # compute balance it cannot be checked, so it is refused, saying how to vouch for it
+    state = a_state()
+    del state["cost"]
+    state["version"] = 2
+    it = dataset(0, 2, "token").iterate()
+    it.load_state_dict(state)
+    assert it.index == 2
+    flops = CostModel(a=2.0, b=0.5)
+    compute = compute_dataset(flops).iterate()
+    old = json.loads(json.dumps(compute.state_dict()))
+    del old["cost"]
+    old["version"] = 2
+    with pytest.raises(ValueError) as caught:
+        compute.load_state_dict(old)
+    assert str(caught.value) == (
+        "cannot resume: the state (version 2, written by an earlier megapack) records no cost "
+        "model, and with balance='compute' the epoch's order depends on it; if the checkpoint's "
+        "run used this one, add state['cost'] = {'a': 2.0, 'b': 0.5} and load it again"
+    )
+    compute.load_state_dict(old | {"cost": {"a": 2.0, "b": 0.5}})
 
 
 def test_resume_index_at_the_epochs_end_is_accepted_and_rolls_over() -> None:

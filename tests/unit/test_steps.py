@@ -7,7 +7,7 @@ agreement across ranks: tests/functional/test_lockstep_agreement.py."""
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +27,12 @@ ONE = megapack.Topology.single()
 @pytest.fixture(autouse=True)
 def _no_process_group() -> None:
     assert not dist.is_initialized(), "these tests check the single-process path"
+
+
+def warned(caplog: pytest.LogCaptureFixture) -> list[tuple[str, int, str]]:
+    """(logger, level, message) of the megapack records at WARNING and above."""
+    return [(r.name, r.levelno, r.getMessage()) for r in caplog.records
+            if r.name.startswith("megapack") and r.levelno >= logging.WARNING]  # fmt: skip
 
 
 def take(steps: Any) -> list[list[Any]]:
@@ -53,20 +59,29 @@ def test_lockstep_steps_yield_whole_steps_in_order_then_stop() -> None:
         next(steps)
 
 
-def test_lockstep_steps_partial_last_step_warns_with_the_count_left() -> None:
-    with pytest.warns(UserWarning, match=r"ended after 2 of step 1's 3 micro-batches: the partial step is not run \(2 micro-batch\(es\) left unused\)"):  # fmt: skip
+def test_lockstep_steps_partial_last_step_warns_with_the_count_left(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="megapack"):
         assert take(lockstep_steps(iter(range(5)), micro_batches=3, topology=ONE, check=False)) == [
             [0, 1, 2]
         ]
+    assert warned(caplog)[0] == (
+        "megapack.delivery",
+        logging.WARNING,
+        "megapack: lockstep_steps: the data on rank 0 ended after 2 of step 1's 3 micro-batches: "
+        "the partial step is not run (2 micro-batch(es) left unused); every rank stops before it",
+    )
+    assert caplog.records[0].pathname == __file__  # it points at the loop
 
 
-def test_lockstep_steps_whole_end_gives_no_warning() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+def test_lockstep_steps_whole_end_gives_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="megapack"):
         assert take(lockstep_steps(iter(range(4)), micro_batches=2, topology=ONE, check=False)) == [
             [0, 1],
             [2, 3],
         ]
+    assert warned(caplog) == []
 
 
 def test_lockstep_steps_a_failing_iterator_raises_its_own_error_then_ends() -> None:
@@ -94,7 +109,9 @@ def test_lockstep_steps_schedule_asking_for_more_items_is_an_error() -> None:
         next(step)
 
 
-def test_lockstep_steps_read_every_chunk_of_a_virtual_pipeline() -> None:
+def test_lockstep_steps_read_every_chunk_of_a_virtual_pipeline(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     topo = megapack.Topology(
         tp_group=None, tp_ranks=(0,), tp_rank=0, pp_size=2, vp_stage=0, vp_size=2
     )
@@ -103,21 +120,52 @@ def test_lockstep_steps_read_every_chunk_of_a_virtual_pipeline() -> None:
     )
     first = next(steps)
     assert isinstance(first, list) and [items(c) for c in first] == [[0, 1], [10, 11]]  # type: ignore[arg-type]
-    with (
-        pytest.warns(UserWarning, match=r"\(model chunk 1\) ended after 1 of step 1's 2"),
-        pytest.raises(StopIteration),
-    ):
+    with caplog.at_level(logging.WARNING, logger="megapack"), pytest.raises(StopIteration):
         next(steps)
+    assert "the data on rank 0 (model chunk 1) ended after 1 of step 1's 2" in warned(caplog)[0][2]
 
 
-def test_lockstep_steps_read_the_chunks_that_have_data_only() -> None:
-    # the last pipeline rank: chunk 0 is a middle stage (no dataset), chunk 1 the last stage
-    topo = megapack.Topology(
-        tp_group=None, tp_ranks=(0,), tp_rank=0, pp_rank=1, pp_size=2, vp_stage=0, vp_size=2
-    )
-    ds = PackedDataset(documents(4), 8, micro_batches=2)
-    first = next(lockstep_steps([None, ds.iterate()], micro_batches=2, topology=topo))
+def plain(n: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Megatron's plain pretraining micro-batches ([1, 8], no cu_seqlens)."""
+    for i in range(n):
+        tokens = torch.arange(i, i + 8).view(1, 8)
+        yield {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(1, 8),
+               "position_ids": torch.arange(8).view(1, 8)}  # fmt: skip
+
+
+LAST_VP = megapack.Topology(
+    tp_group=None, tp_ranks=(0,), tp_rank=0, pp_rank=1, pp_size=2, vp_stage=0, vp_size=2
+)  # the last pipeline rank of 2 x 2 chunks: chunk 0 is a middle stage, chunk 1 the last
+
+
+def test_lockstep_steps_read_the_chunks_that_have_data_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # plain pretraining: the middle chunk has no dataset (Megatron-LM's is_dataset_built_on_rank)
+    with caplog.at_level(logging.DEBUG, logger="megapack"):
+        first = next(lockstep_steps([None, plain(4)], micro_batches=2, topology=LAST_VP))
     assert isinstance(first, list) and first[0] is None and len(items(first[1])) == 2  # type: ignore[arg-type]
+    assert warned(caplog) == []  # unpacked: right, and nothing to warn about
+
+
+def test_lockstep_steps_refuse_a_middle_chunk_without_data_when_batches_are_packed() -> None:
+    # the issue's silent case: the middle chunk would get no cu_seqlens (attention across
+    # documents); refused before step 0, naming the stage, the rank and the fix
+    ds = PackedDataset(documents(4), 8, micro_batches=2)
+    steps = lockstep_steps([None, ds.iterate()], micro_batches=2, topology=LAST_VP)
+    with pytest.raises(ValueError) as caught:
+        next(steps)
+    assert str(caught.value) == (
+        "lockstep_steps: rank 0 (pp_rank 1 of 2, virtual chunk 0: data_iterator[0]=None) is the TP "
+        "source of a middle pipeline stage without data, but the batches are packed (rank 0 read "
+        "packed micro-batches at step 0): a middle stage without data gets no cu_seqlens, so its "
+        "attention would run across documents. For packed data build the dataset on TP rank 0 of "
+        "every pipeline stage (Megatron-LM: is_dataset_built_on_rank must return True on middle "
+        "stages too, e.g. is_dataset_built_on_rank(vp_stage, is_packed_sequence=True)) and pass its "
+        "iterator there, as on the first and last stages"
+    )
+    with pytest.raises(ValueError, match=r"\(rank 0 passed packed=True\)"):  # declared, none read
+        next(lockstep_steps([None, plain(0)], micro_batches=2, topology=LAST_VP, packed=True))
 
 
 def test_lockstep_steps_refuse_what_a_schedule_cannot_take() -> None:
@@ -154,13 +202,16 @@ def documents(n: int) -> list[Document]:
     return [Document(tokens=np.arange(1, 9), loss_mask=np.ones(8, np.float32))] * n
 
 
-def test_agree_dataset_behind_the_iterator_is_checked_against_the_schedule() -> None:
+def test_agree_dataset_behind_the_iterator_is_checked_against_the_schedule(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     fields = PackedDataset(documents(6), 8, micro_batches=3, loss_fields=True)
     with pytest.raises(ValueError, match=r"dataset is built for micro_batches=3 a step but the schedule runs micro_batches=2, and its loss fields count"):  # fmt: skip
         next(lockstep_steps(fields.iterate(), micro_batches=2, topology=ONE))
     plain = PackedDataset(documents(6), 8, micro_batches=3)
-    with pytest.warns(UserWarning, match="built for micro_batches=3 a step but the schedule runs micro_batches=2: its epoch"):  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="megapack"):
         next(lockstep_steps(plain.iterate(), micro_batches=2, topology=ONE))
+    assert warned(caplog) == [("megapack.delivery", logging.WARNING, "megapack: lockstep_steps: rank 0's dataset is built for micro_batches=3 a step but the schedule runs micro_batches=2: its epoch is padded to whole steps of its own (build it with micro_batches=num_microbatches)")]  # fmt: skip
     # found behind a prefetcher too (tp = 1: no group needed)
     with (
         megapack.prefetch(fields.iterate(), topology=ONE) as ahead,
@@ -325,8 +376,10 @@ def test_lockstep_steps_a_bad_batch_stops_before_its_step() -> None:
     assert len(items(next(steps))) == 2  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cu_seqlens") as caught:
         next(steps)
-    assert any(
-        "micro-batch 1 of step 1, checked before the step" in n for n in caught.value.__notes__
+    # in the message itself: other ranks get only str(exc), as RemoteDataError
+    assert str(caught.value).startswith(
+        "lockstep_steps: micro-batch 1 of step 1, checked before the step as "
+        "get_batch_on_this_tp_rank's source will: PackedBatch.cu_seqlens"
     )
     with pytest.raises(RuntimeError, match="ended with an error at step 1"):
         next(steps)
@@ -403,3 +456,91 @@ def test_step_lockstep_made_directly_checks_batches_too() -> None:
     )
     with pytest.raises(ValueError, match="cu_seqlens"):
         next(steps)
+
+
+# ------------------------------------------------------------------ errors that name the fix
+
+
+def test_lockstep_steps_without_fields_over_loss_fields_names_itself_and_the_fix() -> None:
+    # the issue's case: a loss_fields=True dataset, lockstep_steps without fields=. The message
+    # (all that other ranks receive, as RemoteDataError) names lockstep_steps and the fix.
+    from megapack.core.fields import schema_of
+    from megapack.core.intake import to_batch
+
+    loss = PackedDataset(documents(4), 8, micro_batches=2, loss_fields=True)
+    with pytest.raises(ValueError) as caught:
+        next(lockstep_steps(loss.iterate(), micro_batches=2, topology=ONE))
+    with pytest.raises(ValueError) as inner:  # what get_batch's own check says of the batch
+        to_batch(loss[0], schema_of(()), packed=None)
+    assert str(caught.value) == (
+        "lockstep_steps: micro-batch 0 of step 0, checked before the step as "
+        f"get_batch_on_this_tp_rank's source will: {inner.value}"
+    )
+    assert "fields=megapack.LOSS_FIELDS" in str(caught.value)
+
+
+# ------------------------------------------------------------------ the loop says how it ended
+
+
+def records(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if "stopped at step" in r.getMessage()]  # fmt: skip
+
+
+def test_lockstep_steps_log_one_line_when_the_data_ends(caplog: pytest.LogCaptureFixture) -> None:
+    # 4 rows of 8 tokens (7 trained each: a document's last token has no label), 2 a step
+    ds = PackedDataset(documents(4), 8, micro_batches=2)
+    with caplog.at_level(logging.INFO, logger="megapack"):
+        assert len(take(lockstep_steps(ds.iterate(), micro_batches=2, topology=ONE))) == 2
+    assert records(caplog) == [(logging.INFO, (
+        "megapack: lockstep_steps stopped at step 2: the data on rank 0 ended at the step "
+        "boundary; trained 2 steps and 28 trained tokens (loss_mask non-zero) handed to the "
+        "schedule across the job"))]  # fmt: skip
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megapack"):  # a partial step: a warning
+        assert len(take(lockstep_steps(ds.iterate(), micro_batches=3, topology=ONE))) == 1
+    assert records(caplog) == [(logging.WARNING, (
+        "megapack: lockstep_steps stopped at step 1: the data on rank 0 ended after 1 of its 3 "
+        "micro-batches (the partial step is not run); trained 1 step and 21 trained tokens "
+        "(loss_mask non-zero) handed to the schedule across the job"))]  # fmt: skip
+
+
+def test_lockstep_steps_log_one_line_when_the_data_fails(caplog: pytest.LogCaptureFixture) -> None:
+    ds = PackedDataset(documents(6), 8, micro_batches=2)
+    steps = lockstep_steps(broken_at(ds.iterate(), 3), micro_batches=2, topology=ONE)
+    with caplog.at_level(logging.INFO, logger="megapack"), pytest.raises(ValueError) as caught:
+        take(steps)
+    assert records(caplog) == [(logging.ERROR, (
+        f"megapack: lockstep_steps stopped at step 1: rank 0 failed: ValueError: {caught.value}; "
+        "trained 1 step and 14 trained tokens (loss_mask non-zero) handed to the schedule across "
+        "the job"))]  # fmt: skip
+
+
+def test_lockstep_steps_count_only_what_the_schedule_took(caplog: pytest.LogCaptureFixture) -> None:
+    # items read ahead but not taken are not trained: the count follows the schedule
+    ds = PackedDataset(documents(4), 8, micro_batches=2)
+    steps = lockstep_steps(ds.iterate(), micro_batches=2, topology=ONE)
+    first = next(steps)
+    next(first)  # type: ignore[call-overload]
+    with caplog.at_level(logging.INFO, logger="megapack"), pytest.raises(ValueError):
+        next(steps)  # took 1 of 2: an error at the next step
+    assert "trained 1 step and 7 trained tokens" in records(caplog)[0][1]
+
+
+def test_agree_middle_stages_without_data_only_when_batches_are_packed() -> None:
+    def middle(r: int, pp: int = 8) -> dict[str, Any]:
+        return rank(reads=False) | {"middle": [[r, pp, "data_iterator=None", None]]}
+
+    plain = [(0, rank() | {"packed": False}), *[(r, middle(r)) for r in range(1, 7)]]
+    assert agreement_errors(plain) == ([], [])  # plain pretraining: nothing to send them
+    unknown = [(0, rank() | {"packed": None}), (1, middle(1))]  # items that do not say
+    assert agreement_errors(unknown) == ([], [])
+    packed = [(0, rank() | {"packed": True}), *[(r, middle(r)) for r in range(1, 7)]]
+    (error,) = agreement_errors(packed)[0]
+    assert error.startswith(
+        "ranks 1 (pp_rank 1 of 8: data_iterator=None), 2 (pp_rank 2 of 8: data_iterator=None), "
+        "3 (pp_rank 3 of 8: data_iterator=None), 4 (pp_rank 4 of 8: data_iterator=None) and 2 "
+        "more are TP sources of middle pipeline stages without data, but the batches are packed "
+        "(rank 0 read packed micro-batches at step 0): "
+    )
+    declared = [(0, rank() | {"packed_option": True}), (1, middle(1))]
+    assert "(rank 0 passed packed=True)" in agreement_errors(declared)[0][0]
