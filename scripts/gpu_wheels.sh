@@ -1,21 +1,36 @@
 #!/usr/bin/env bash
 # Download into .whl/ (git-ignored) the wheels the GPU machine lacks, for CPython 3.12 manylinux
-# x86_64: megatron-core 0.16.1 and nvidia-cudnn-frontend 1.28.0 (the cudnn attention backend), and
-# every non-extra requirement of them (METADATA Requires-Dist, recursively) except what that
-# machine already has (torch, numpy, packaging). Idempotent: wheels
-# already there are kept, wheels no longer wanted are removed (two versions of one package would
-# stop the install). Fails loudly when the wheels, or the wheels plus the working tree that travels
-# with a device call, pass 64 MiB.
+# x86_64: megatron-core (0.19.2 by default; 0.16.1 with --megatron-core 0.16.1 or
+# MEGAPACK_MEGATRON_CORE=0.16.1) and nvidia-cudnn-frontend 1.28.0 (the cudnn attention backend),
+# and every non-extra requirement of them (METADATA Requires-Dist, recursively) except what that
+# machine already has (torch, numpy, packaging). Idempotent: wheels already there are kept, wheels
+# no longer wanted are removed (two versions of one package would stop the install). Fails loudly
+# when the wheels, or the wheels plus the working tree that travels with a device call, pass 64 MiB.
 #
-#   bash scripts/gpu_wheels.sh
+#   bash scripts/gpu_wheels.sh [--megatron-core VERSION]
 #
-# Then the device call carries them: carry=[".whl"], command "bash scripts/gpu_check.sh --out $OUT".
+# Then the device call carries them: carry=[".whl"], command
+# "bash scripts/gpu_check.sh --plan first-run --out $OUT/first-run" (docs/gpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+MEGATRON_CORE=${MEGAPACK_MEGATRON_CORE:-0.19.2}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --megatron-core) [ $# -ge 2 ] || { echo "gpu_wheels: --megatron-core needs a version (0.19.2 or 0.16.1)" >&2; exit 2; }
+      MEGATRON_CORE=$2; shift 2 ;;
+    --megatron-core=*) MEGATRON_CORE=${1#*=}; shift ;;
+    *) echo "usage: bash scripts/gpu_wheels.sh [--megatron-core VERSION]  (unknown argument: $1)" >&2; exit 2 ;;
+  esac
+done
+case "$MEGATRON_CORE" in
+  0.19.2|0.16.1) ;;
+  *) echo "gpu_wheels: megatron-core $MEGATRON_CORE is not one megapack supports; use 0.19.2 (the default) or 0.16.1" >&2; exit 2 ;;
+esac
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore MEGATRON_CORE
 mkdir -p .whl
 "$PY" - <<'EOF'
+import os
 import subprocess
 import sys
 import zipfile
@@ -24,8 +39,8 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-WANT = ["megatron-core==0.16.1", "nvidia-cudnn-frontend==1.28.0"]
-PRESENT = {"torch", "numpy", "packaging"}  # already on the GPU machine (device KINDS.md)
+WANT = [f"megatron-core=={os.environ['MEGATRON_CORE']}", "nvidia-cudnn-frontend==1.28.0"]
+PRESENT = {"torch", "numpy", "packaging"}  # already on the GPU machine (its image's package list)
 TARGET = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
           "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
@@ -60,6 +75,11 @@ while queue:
     if name in PRESENT or name in done:
         continue
     pin = str(req.specifier) or ""
+    for other in dest.glob("*.whl"):  # another version of it (say 0.16.1 after 0.19.2): replaced
+        other_name, version = parse_wheel_filename(other.name)[:2]
+        if other_name == name and req.specifier and version not in req.specifier:
+            print(f"gpu_wheels: removing {other.name} (not {req})")
+            other.unlink()
     subprocess.run([sys.executable, "-m", "pip", "download", *FLAGS, f"{req.name}{pin}"], check=True)
     wheel = wheel_of(name)
     done[name] = wheel

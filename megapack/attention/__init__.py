@@ -1,5 +1,5 @@
 """Packed (THD) attention: kernels, backend choice, RoPE, CP; imports torch, numpy and megapack.core's
-cp_share, quiet, capture, buckets and seq_params only.
+cp_share, quiet, capture, buckets, seq_params and errors only.
 
 Modules:
 
@@ -13,7 +13,8 @@ Modules:
     flex.py          flex_attention: one block mask per micro-batch, one compiled kernel
     te.py            Transformer Engine's THD attention
     cudnn.py         cuDNN's fused attention over ragged THD tensors (cudnn-frontend); its
-                     graphs, described, built once per shape class and cached: cudnn_graph.py
+                     graphs, described, built in pairs before any kernel runs, cached:
+                     cudnn_graph.py
     bucketed.py      the documents in a few dense batches by length, one SDPA call each
     cp_attention.py  context-parallel attention: K/V all-gather (cp_plan.py: the segment plan,
                      cp_kernels.py: its kernels)

@@ -12,7 +12,10 @@ a document), attended causally (exact: padding follows every real token), and sc
 The plan comes with the batch (declare ``fields=megapack.BUCKET_FIELDS``: the TP source plans it
 from the lengths it holds, every rank knows its shapes from the frame's header) so a GPU never
 syncs; without it the plan is made here from the boundaries' host copy (one read per micro-batch,
-free on a CPU). Alignment padding and zero-length documents are in no bucket: their outputs are 0.
+free on a CPU). Alignment padding, zero-length documents and positions past the last boundary are
+in no bucket: their outputs and gradients are exactly 0, and nothing of theirs is read (a padding
+slot reads its own document's first token), so the real positions' results do not depend on what
+those positions hold.
 
 Cost beyond the kernels: one gather of q, k and v and one scatter of the output (each [T, ., d]),
 and the padding of each document to its class (< 1/8 of its length, < 27% of its attention).
@@ -62,13 +65,21 @@ def bucketed_attention(
 def _plan(
     docs: Documents, total: int, device: torch.device
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """([index [n, L] of every bucket, padding slots clamped to T - 1], scatter [T]), once.
+    """([index [n, L] of every bucket, each padding slot reading its row's first token],
+    scatter [T]), once per micro-batch.
 
-    A padding slot reads position T - 1 (any real position would do): a real query never sees
-    it (it follows the query's real keys, causally masked), its own output is never read, so its
-    gradient is zero. ``scatter[t]`` is the row of the concatenated bucket outputs position t
-    reads, or the final zero row; built on the device (no host read): a slot's target is its
-    position, or a position past T unique to that slot, so the scatter writes no index twice.
+    A slot is real when its index is below the last boundary ``cu_buffer[-1]`` (compared on the
+    device: no host read), so a padding slot is found whatever sentinel its plan used (T, or a
+    trainer's plan marked with the last boundary). A padding slot reads its document's first
+    token, a real one: a real query never sees it (it follows the query's real keys, causally
+    masked) and its own output is never read, so its gradient is exactly zero, and no position
+    outside the documents is read. ``scatter[t]`` is the row of the concatenated bucket outputs
+    position t reads, or the final zero row: a real slot's target is its position, a padding
+    slot's a position past T unique to it, so the scatter writes no index twice.
+
+    Worked example: T = 12, boundaries ``[0, 3, 8]`` (positions 8..11 past them), one bucket
+    ``[[0, 1, 2, 12, ...], [3, 4, 5, 6, 7, 12, ...]]``: gather ``[[0, 1, 2, 0, ...], [3, ..., 7,
+    3, ...]]``; positions 8..11 read the zero row.
     """
     key = ("bucketed", total, device)
     hit = docs.memo.get(key)
@@ -77,17 +88,18 @@ def _plan(
     buckets = docs.buckets
     if buckets is None:  # no plan delivered: make it from the boundaries' host copy
         buffer, real = docs.host_bounds()
-        buckets = tuple(
-            torch.from_numpy(b) for b in plan_buckets(buffer, real if docs.padded else None)
-        )
+        planned = plan_buckets(buffer, real if docs.padded else None, total=total)
+        buckets = tuple(torch.from_numpy(b) for b in planned)
+    end = docs.cu_buffer[-1:].to(device=device, dtype=torch.int64, non_blocking=True)
     gather, targets = [], []
     slots = 0
     for bucket in buckets:
         index = bucket.to(device=device, dtype=torch.int64, non_blocking=True)
+        token = (index < end) & (index < total)  # a real slot; else padding
+        gather.append(torch.where(token, index, index[:, :1]).clamp(max=max(total - 1, 0)))
         flat = index.reshape(-1)
-        gather.append(index.clamp(max=max(total - 1, 0)))
         unique = torch.arange(slots, slots + flat.numel(), device=device) + total
-        targets.append(torch.where(flat < total, flat, unique))
+        targets.append(torch.where(token.reshape(-1), flat, unique))
         slots += flat.numel()
     scatter = torch.full((total + slots,), slots, dtype=torch.int64, device=device)
     if slots:

@@ -33,7 +33,9 @@ with the reasons, e.g.::
     installed; varlen_attn without enable_gqa: K/V heads repeated)
 
 A cuDNN graph that cannot be built for a shape (`megapack.attention.cudnn.CudnnUnavailable`) is
-found only when it runs: `fallback` names the next backend, and the reason is logged once.
+found only when it is first asked for, before any of its kernels runs: `fallback` names the next
+backend, and the reason is logged once; a lasting refusal keeps ``auto`` off cudnn for the
+process, a transient one (out of memory...) only for that call.
 
 An explicit backend that cannot take the inputs is a ValueError naming the backend, device, dtype,
 why, and the fix (`resolve_backend`). What is installed is found once (`Installed.find`); tests pass
@@ -271,14 +273,30 @@ _failed: dict[str, str] = {}
 
 
 def fallback(failed: str, reason: str, device: torch.device | str, dtype: torch.dtype, *,
-             training: bool, dropout: float = 0.0, planned: bool = False) -> str:  # fmt: skip
+             training: bool, dropout: float = 0.0, planned: bool = False,
+             remember: bool = True) -> str:  # fmt: skip
     """The backend ``auto`` runs instead of ``failed``, which could not run (``reason``, logged
-    once); ``failed`` is not chosen again in this process."""
+    once). With ``remember`` (a lasting refusal) ``failed`` is not chosen again in this process;
+    without (a transient failure) it is skipped for this call only."""
+    if not remember:
+        _log_transient(failed, reason)
+        return resolve_backend("auto", device, training=training, dropout=dropout, dtype=dtype,
+                               planned=planned, excluded=frozenset({failed}))  # fmt: skip
     if failed not in _failed:
         _failed[failed] = reason
         logger.warning("attention backend %s cannot run here, falling back: %s", failed, reason)
     return resolve_backend(
         "auto", device, training=training, dropout=dropout, dtype=dtype, planned=planned
+    )
+
+
+@functools.cache
+def _log_transient(failed: str, reason: str) -> None:
+    logger.warning(
+        "attention backend %s failed for this call, falling back (it is tried again on the "
+        "next): %s",
+        failed,
+        reason,
     )
 
 

@@ -1,15 +1,40 @@
-"""cuDNN's graphs for the ``cudnn`` backend (`megapack.attention.cudnn`): described, built once per
-`GraphShape`, cached, and run on the current stream.
+"""cuDNN's graphs for the ``cudnn`` backend (`megapack.attention.cudnn`): described, built in pairs
+before any kernel runs, cached, and run on the current stream.
 
 A graph is described with nvidia-cudnn-frontend's Python API (`describe`, which runs without a GPU
 until ``validate``, so CPU tests check what megapack asks for), then validated, planned and built
-once per shape class (`graph`); a shape cuDNN refuses is remembered as `CudnnUnavailable` and raised
-again without a second attempt. One cuDNN handle per device; its stream is set to the caller's
-current stream before every execute, so the graphs run on the stream a CUDA-graph capture records.
+once per `GraphShape` (`graphs`). A micro-batch that will backpropagate gets its forward and its
+backward graph built together, before the forward kernel runs, so a refusal of either is found
+while ``auto`` can still fall back (the forward has not run on cuDNN) and an explicit
+``backend="cudnn"`` raises before any work is done.
 
-Every graph reads and writes the same named tensors (`UIDS`): q, k, v, o as ragged [B, H, S, D]
-views of THD tensors (offsets in elements, int64), per-document real lengths (int32), dense
-softmax statistics [B, H, S, 1] (float32); backward adds dO, dQ, dK, dV.
+What is remembered: a graph once built; a *lasting* refusal (`CudnnUnavailable.lasting`: the
+frontend's "graph not supported", a description this frontend release cannot take, no frontend),
+which depends only on the shape, dtype and versions, so it is raised again without a second
+attempt. What is not: a *transient* failure (out of memory, a CUDA error, anything else), tried
+again on the next call, up to `TRANSIENT_TRIES` times in a row before it counts as lasting; and a
+graph asked for inside a CUDA-graph capture, which is never built there (``cudnnCreate`` and the
+workspace query are not capturable): `megapack.core.errors.CaptureError` says to warm up eagerly.
+
+Every graph reads and writes named tensors (`UIDS`; a graph's variant pack holds exactly its own):
+q, k, v, o as ragged [B, H, S, D] views of THD tensors (offsets in elements, int64 [B + 1]), the
+per-document real lengths of the queries and of the keys as two int32 [B] tensors (``seq_len_q``,
+``seq_len_kv``, as Transformer Engine and the frontend's samples pass them), dense softmax
+statistics [B, H, S, 1] (float32); backward adds dO, dQ, dK, dV.
+
+``max_total_seq_len_q/kv`` (backward only, as in the frontend's ragged tests and TE): the tokens T
+rounded up to a multiple of 64, at least 64 (`max_tokens_class`), the rule of the frontend's own
+ragged tests (``test/python/sdpa/fp16.py``). It sizes backward's THD dQ accumulator in the
+workspace (max_total_seq_len_q x H x D float32) and the dK/dV ones; the exact T, as before, left
+no room for the 64-row tiles those tests provision. TE buckets it coarser (1,024, then powers of
+two, then multiples of 32,768) because its token count changes with every batch; megapack's T is
+fixed by the rows (a `megapack.StaticShape` is one class), so the tightest rounding costs no extra
+graphs and the least workspace (T=14,398, 16 heads x 128: 118 MB of dQ accumulator, against
+134 MB at TE's 16,384).
+
+`Frontend` is the one place megapack meets cudnn-frontend's runtime (its module, one handle per
+device, the stream binding); `frontend` returns it. CPU tests replace it with a stand-in that
+executes the described graphs in float64 (tests/unit/cudnn_standin.py).
 """
 
 from __future__ import annotations
@@ -21,16 +46,39 @@ from typing import Any
 
 import torch
 
+from megapack.core.capture import capturing
+from megapack.core.errors import CaptureError
+
 logger = logging.getLogger("megapack.attention")
+
+TRANSIENT_TRIES = 3
+"""Transient build failures of one graph in a row after which its refusal counts as lasting."""
 
 
 class CudnnUnavailable(RuntimeError):
-    """cuDNN's graph cannot be built or run for these inputs (the message says why)."""
+    """cuDNN's graph cannot be built or run for these inputs (the message says why).
+
+    Attributes:
+        lasting: True for a refusal that depends only on the shape, dtype and versions (remembered:
+            ``auto`` never picks cudnn again in this process); False for a transient failure (an
+            out-of-memory, a CUDA error), tried again on the next call.
+    """
+
+    def __init__(self, message: str, *, lasting: bool = True) -> None:
+        super().__init__(message)
+        self.lasting = lasting
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unavailable, (str(self), self.lasting))
+
+
+def _unavailable(message: str, lasting: bool) -> CudnnUnavailable:
+    return CudnnUnavailable(message, lasting=lasting)
 
 
 @dataclass(frozen=True, slots=True)
 class GraphShape:
-    """What one cached cuDNN graph is built for (module docstring: the shape classes)."""
+    """What one cached pair of cuDNN graphs is built for (module docstring: the shape classes)."""
 
     batch: int
     """Documents B, a power of two (extra documents have length 0)."""
@@ -44,24 +92,62 @@ class GraphShape:
     """Query/key head dim D."""
     dim_v: int
     """Value head dim."""
-    total: int
-    """Tokens T of the buffer (the ragged tensors' token axis)."""
+    max_tokens: int
+    """``max_total_seq_len_q/kv``: the buffer's tokens T rounded by `max_tokens_class`."""
     dtype: torch.dtype
     scale: float
-    device: int
-    """CUDA device index."""
+    device: torch.device
+    """The tensors' device (``cuda:i``)."""
     deterministic: bool
     """Backward's deterministic algorithm (``torch.are_deterministic_algorithms_enabled()``)."""
 
 
+def max_tokens_class(total: int) -> int:
+    """``max_total_seq_len`` for a buffer of ``total`` tokens: a multiple of 64, at least 64.
+
+    Example:
+        >>> [max_tokens_class(t) for t in (0, 1, 40, 64, 65, 14398)]
+        [64, 64, 64, 64, 128, 14400]
+    """
+    return max(64, -(-total // 64) * 64)
+
+
+class Frontend:
+    """cudnn-frontend's runtime as the cudnn backend uses it: the ``cudnn`` module, one handle per
+    device, the stream binding, the frontend's "not supported" error. CPU tests replace it."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self._handles: dict[torch.device, Any] = {}
+
+    def handle(self, device: torch.device) -> Any:
+        """The device's cuDNN handle, created once (``cudnnCreate``: not capturable)."""
+        if device not in self._handles:
+            with torch.cuda.device(device):
+                self._handles[device] = self.module.create_handle()
+        return self._handles[device]
+
+    def bind(self, handle: Any, device: torch.device) -> None:
+        """Point ``handle`` at the caller's current stream (the one a capture records)."""
+        stream = torch.cuda.current_stream(device).cuda_stream
+        self.module.set_stream(handle=handle, stream=stream)
+
+    def not_supported(self) -> tuple[type[BaseException], ...]:
+        """The exception types the frontend raises for a graph it does not support: its
+        ``cudnnGraphNotSupportedError`` and ``NotImplementedError`` (the declines its plan walk
+        treats as such, ``cudnn.engines.base.decline_types``)."""
+        kind = getattr(self.module, "cudnnGraphNotSupportedError", None)
+        return (kind, NotImplementedError) if isinstance(kind, type) else (NotImplementedError,)
+
+
 @functools.cache
-def frontend() -> Any:
-    """The ``cudnn`` module of nvidia-cudnn-frontend, or None when it is not installed."""
+def frontend() -> Frontend | None:
+    """nvidia-cudnn-frontend's `Frontend`, or None when ``import cudnn`` finds nothing."""
     try:
         import cudnn
     except (ImportError, OSError):
         return None
-    return cudnn
+    return Frontend(cudnn)
 
 
 class Graph:
@@ -71,51 +157,124 @@ class Graph:
         self.graph, self.uids, self.workspace = graph, uids, workspace
 
     def run(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
-        """Execute on the current stream (capturable: no host read, no sync)."""
-        module = frontend()
-        handle = _handle(device.index if device.index is not None else torch.cuda.current_device())
-        module.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
+        """Execute on the current stream (capturable: no host read, no sync). ``tensors`` names
+        every tensor of the graph; the variant pack holds exactly the graph's uids."""
+        runtime = frontend()
+        if runtime is None:
+            raise CudnnUnavailable("nvidia-cudnn-frontend is not installed")
+        handle = runtime.handle(device)
+        runtime.bind(handle, device)
         workspace = torch.empty(max(self.workspace, 1), dtype=torch.uint8, device=device)
-        pack = {self.uids[name]: t for name, t in tensors.items() if name in self.uids}
+        pack = {uid: tensors[name] for name, uid in self.uids.items()}
         self.graph.execute(pack, workspace, handle=handle)
 
 
+@dataclass(frozen=True, slots=True)
+class Graphs:
+    """The built graphs one micro-batch runs: forward, and backward when it will backpropagate."""
+
+    forward: Graph
+    backward: Graph | None
+
+
 _graphs: dict[tuple[str, GraphShape], Graph | CudnnUnavailable] = {}
+"""Built graphs and lasting refusals, by (kind, shape)."""
+_transient: dict[tuple[str, GraphShape], int] = {}
+"""Transient failures in a row, by (kind, shape)."""
+
+
+def graphs(shape: GraphShape, *, backward: bool) -> Graphs:
+    """The forward graph for ``shape`` and, with ``backward``, the backward one, both built (or
+    taken from the cache) before either runs.
+
+    Raises:
+        CudnnUnavailable: cuDNN refuses either graph (``lasting`` says whether for good).
+        CaptureError: a graph not built yet is asked for inside a CUDA-graph capture.
+    """
+    forward = graph("forward", shape)
+    return Graphs(forward=forward, backward=graph("backward", shape) if backward else None)
 
 
 def graph(kind: str, shape: GraphShape) -> Graph:
-    """The built graph of ``kind`` for ``shape``: built once, failures remembered and raised."""
+    """The built graph of ``kind`` ("forward" or "backward") for ``shape`` (module docstring:
+    what is cached and what is tried again)."""
     key = (kind, shape)
     hit = _graphs.get(key)
-    if hit is None:
-        try:
-            module = frontend()
-            handle = _handle(shape.device)
-            graph, uids = describe(module, kind, shape, handle)
-            graph.validate()
-            graph.build_operation_graph()
-            graph.create_execution_plans([module.heur_mode.A, module.heur_mode.FALLBACK])
-            graph.check_support()
-            graph.build_plans()
-            hit = Graph(graph, uids, int(graph.get_workspace_size()))
-            logger.info("cudnn: built the %s graph for %s", kind, shape)
-        except Exception as exc:  # a shape or build cuDNN refuses: say which, once
-            hit = CudnnUnavailable(f"cuDNN cannot build the {kind} graph for {shape}: {exc}")
-        _graphs[key] = hit
-    if isinstance(hit, CudnnUnavailable):
+    if isinstance(hit, Graph):
+        return hit
+    if hit is not None:
         raise hit
-    return hit
+    if capturing():
+        raise CaptureError(
+            f"cuDNN's {kind} attention graph for {shape} is not built yet, and building it "
+            "cannot be recorded in a CUDA-graph capture (cudnnCreate, plan building and its "
+            "workspace query run on the host); warm up eagerly first: run the step, forward and "
+            "backward, once outside the capture with the same shapes (GraphStep's warmup does)"
+        )
+    try:
+        built = _build(kind, shape)
+    except CudnnUnavailable as exc:
+        if not exc.lasting:
+            tries = _transient[key] = _transient.get(key, 0) + 1
+            if tries < TRANSIENT_TRIES:
+                raise
+            exc = CudnnUnavailable(f"{exc} (failed {tries} times in a row: kept as lasting)")
+        _transient.pop(key, None)
+        _graphs[key] = exc
+        raise exc from None
+    _transient.pop(key, None)
+    _graphs[key] = built
+    logger.info("cudnn: built the %s graph for %s", kind, shape)
+    return built
+
+
+def _build(kind: str, shape: GraphShape) -> Graph:
+    """Describe, validate, plan and build one graph; every failure a `CudnnUnavailable`."""
+    runtime = frontend()
+    if runtime is None:
+        raise CudnnUnavailable(
+            "nvidia-cudnn-frontend is not installed (pip install 'megapack[cudnn]')"
+        )
+    module = runtime.module
+    where = f"cuDNN cannot build the {kind} graph for {shape}"
+    try:
+        handle = runtime.handle(shape.device)
+    except Exception as exc:  # cudnnCreate: out of memory, a CUDA error
+        raise CudnnUnavailable(
+            f"{where}: creating the handle failed: {exc}", lasting=False
+        ) from exc
+    try:
+        described, uids = describe(module, kind, shape, handle)
+    except Exception as exc:  # this frontend release takes not what megapack asks for
+        raise CudnnUnavailable(f"{where}: describing it failed: {exc}") from exc
+    try:
+        described.validate()
+        described.build_operation_graph()
+        described.create_execution_plans([module.heur_mode.A, module.heur_mode.FALLBACK])
+        described.check_support()
+        described.build_plans()
+        workspace = int(described.get_workspace_size())
+    except runtime.not_supported() as exc:  # shape, dtype, head dim or version: for good
+        raise CudnnUnavailable(f"{where}: {exc}") from exc
+    except Exception as exc:  # out of memory, a CUDA error, anything else: try again later
+        raise CudnnUnavailable(f"{where}: {type(exc).__name__}: {exc}", lasting=False) from exc
+    return Graph(described, uids, workspace)
 
 
 UIDS = {
     "q": 1, "k": 2, "v": 3, "o": 4, "stats": 5, "dO": 6, "dQ": 7, "dK": 8, "dV": 9,
-    "q_offsets": 20, "k_offsets": 21, "v_offsets": 22, "o_offsets": 23, "lengths": 24,
+    "q_offsets": 20, "k_offsets": 21, "v_offsets": 22, "o_offsets": 23,
+    "lengths_q": 24, "lengths_kv": 25,
 }  # fmt: skip
 """The uid of every tensor a graph reads or writes (the same in both graphs)."""
+FORWARD = ("q", "k", "v", "o", "stats", "q_offsets", "k_offsets", "v_offsets", "o_offsets",
+           "lengths_q", "lengths_kv")  # fmt: skip
+"""The tensors of the forward graph; the backward graph's add dO, dQ, dK and dV."""
 
 
 def describe(module: Any, kind: str, shape: GraphShape, handle: Any) -> tuple[Any, dict[str, int]]:
-    """The cuDNN graph of ``kind`` ("forward" or "backward") for ``shape``, described, not built.
+    """The cuDNN graph of ``kind`` ("forward" or "backward") for ``shape``, described, not built,
+    and the uids of its tensors by name.
 
     Runs without a GPU (the frontend's graph is a Python description until ``validate``), so
     CPU tests check what megapack asks cuDNN for.
@@ -142,23 +301,21 @@ def describe(module: Any, kind: str, shape: GraphShape, handle: Any) -> tuple[An
         name: ints(name, b + 1, i64)
         for name in ("q_offsets", "k_offsets", "v_offsets", "o_offsets")
     }
-    lengths = ints("lengths", b, i32)
     q = thd("q", h, shape.dim, off["q_offsets"])
     k = thd("k", n, shape.dim, off["k_offsets"])
     v = thd("v", n, shape.dim_v, off["v_offsets"])
-    causal = {
+    mask = {
         "attn_scale": shape.scale,
         "use_padding_mask": True,
-        "seq_len_q": lengths,
-        "seq_len_kv": lengths,
-        "max_total_seq_len_q": shape.total,
-        "max_total_seq_len_kv": shape.total,
+        "seq_len_q": ints("lengths_q", b, i32),
+        "seq_len_kv": ints("lengths_kv", b, i32),
         "diagonal_alignment": module.diagonal_alignment.TOP_LEFT,
         "diagonal_band_right_bound": 0,
     }
     o_dims = ([b, h, s, shape.dim_v], [s * h * shape.dim_v, shape.dim_v, h * shape.dim_v, 1])
+    names = list(FORWARD)
     if kind == "forward":
-        o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=True, **causal)
+        o, stats = g.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=True, **mask)
         o.set_uid(UIDS["o"]).set_output(True).set_dim(o_dims[0]).set_stride(o_dims[1])
         o.set_data_type(io).set_ragged_offset(off["o_offsets"])
         stats.set_uid(UIDS["stats"]).set_output(True).set_data_type(f32)
@@ -170,17 +327,11 @@ def describe(module: Any, kind: str, shape: GraphShape, handle: Any) -> tuple[An
                          uid=UIDS["stats"])  # fmt: skip
         dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=q, k=k, v=v, o=o, dO=d_o,
                                      stats=stats, use_deterministic_algorithm=shape.deterministic,
-                                     **causal)  # fmt: skip
+                                     max_total_seq_len_q=shape.max_tokens,
+                                     max_total_seq_len_kv=shape.max_tokens, **mask)  # fmt: skip
         for t, name, like, offsets in ((dq, "dQ", q, "q_offsets"), (dk, "dK", k, "k_offsets"),
                                        (dv, "dV", v, "v_offsets")):  # fmt: skip
             t.set_uid(UIDS[name]).set_output(True).set_dim(like.dim).set_stride(like.stride)
             t.set_data_type(io).set_ragged_offset(off[offsets])
-    return g, UIDS
-
-
-@functools.cache
-def _handle(device: int) -> Any:
-    """One cuDNN handle per CUDA device (its stream is set before every execute)."""
-    module = frontend()
-    with torch.cuda.device(device):
-        return module.create_handle()
+        names += ["dO", "dQ", "dK", "dV"]
+    return g, {name: UIDS[name] for name in names}

@@ -5,7 +5,7 @@ megatron-core hands every layer the same ``packed_seq_params``; `Documents.from_
 capture under way), so what the kernels derive from the boundaries is computed by the first layer
 and reused by every other layer and by the backward pass:
 
-    segment_ids / offsets / real   [T] on the device, no host read (searchsorted over the boundaries)
+    segment_ids / offsets / kept   [T] on the device, no host read (searchsorted over the boundaries)
     host_bounds                    the boundaries as Python lists: the one host read of the SDPA
                                    reference, once per micro-batch (refused inside a capture)
     memo                           per-kernel values: the flex block mask, RoPE cos/sin tables, the
@@ -21,10 +21,13 @@ boundary tensors in place (`megapack.GraphInputs.load`) bumps their version: the
 
 Worked example: documents of real lengths ``[3, 2]`` padded to ``[4, 4]``: ``cu_real [0, 3, 5]``,
 ``cu_buffer [0, 4, 8]``; ``segment_ids [0, 0, 0, 0, 1, 1, 1, 1]``, ``offsets [0, 1, 2, 3, 0, 1, 2, 3]``
-(RoPE's positions), ``real [T, T, T, F, T, T, F, F]``.
+(RoPE's positions), ``kept [T, T, T, F, T, T, F, F]``.
 
-Without padding (``cu_buffer is cu_real``) the boundaries must end at T: a tail past the last
-document is not detected (that would need a host read).
+Positions past the last boundary (``cu_buffer[-1] < T``, e.g. a row whose trailing padding is in
+no segment) hold no token: `kept` is False there as on alignment padding, and every backend gives
+them zeros, output and gradients, whatever they hold (`zero_outside`, `guard_outside`; cuDNN's
+outputs are zero-filled, bucketed and sdpa never read them). Finding such a tail is not needed:
+the masks are computed on the device, so nothing reads the host.
 """
 
 from __future__ import annotations
@@ -127,14 +130,20 @@ class Documents:
             self.memo["offsets"] = positions - starts
         return self.memo["offsets"]
 
-    def real(self) -> torch.Tensor | None:
-        """[T] bool, False on alignment padding; None when nothing is padded."""
-        if not self.padded:
-            return None
-        if "real" not in self.memo:
+    def kept(self) -> torch.Tensor:
+        """[T] bool: True where a position holds a document's real token; False on alignment
+        padding and past the last boundary (on the device, no host read).
+
+        Example:
+            >>> Documents(torch.tensor([0, 2, 3]), torch.tensor([0, 2, 3]), 2, 5).kept().tolist()
+            [True, True, True, False, False]
+        """
+        if "kept" not in self.memo:
             lengths = (self.cu_real[1:] - self.cu_real[:-1]).to(torch.int64)
-            self.memo["real"] = self.offsets() < lengths[self.segment_ids()]
-        return self.memo["real"]
+            # a position past the last boundary falls in the last segment (segment_ids clamps),
+            # at an offset >= that segment's length: not kept
+            self.memo["kept"] = self.offsets() < lengths[self.segment_ids()]
+        return self.memo["kept"]
 
     def host_bounds(self) -> tuple[list[int], list[int]]:
         """(buffer boundaries, real boundaries) as Python lists: one host read per micro-batch.
@@ -159,10 +168,46 @@ class Documents:
         return self.memo["host_bounds"]
 
 
-def zero_padding(out: torch.Tensor, docs: Documents) -> torch.Tensor:
-    """``out [T, h, d]`` with alignment-padding positions set to zero."""
-    real = docs.real()
-    return out if real is None else out * real[:, None, None].to(out.dtype)
+def zero_outside(out: torch.Tensor, docs: Documents) -> torch.Tensor:
+    """``out [T, h, d]`` with every position that holds no real token (alignment padding, past
+    the last boundary) set to exactly zero, whatever the kernel left there (``torch.where``, not a
+    product: uninitialised memory may hold NaN). Its gradient is zero there too.
+
+    Cost: one pass over ``out`` forward and one over its gradient backward.
+    """
+    return torch.where(docs.kept()[:, None, None], out, out.new_zeros(()))
+
+
+def guard_outside(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v unchanged, whose gradients are set to exactly zero where `Documents.kept` is False.
+
+    For kernels that leave their input gradients uninitialised outside the boundaries they were
+    given (FlashAttention-based ones allocate them with ``empty_like`` and write only within
+    ``cu_seqlens``): without this, whatever memory held past the last boundary would flow into
+    the QKV weight gradients. Cost: backward only, one pass over each of dq, dk and dv.
+    """
+    out = _ZeroGradOutside.apply(q, k, v, docs.kept())
+    return out[0], out[1], out[2]
+
+
+class _ZeroGradOutside(torch.autograd.Function):
+    """Identity forward; backward: each gradient zeroed where ``kept`` is False."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kept: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(kept)
+        return q.view_as(q), k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        (kept,) = ctx.saved_tensors
+        mask = kept[:, None, None]
+        zeroed = tuple(None if g is None else torch.where(mask, g, g.new_zeros(())) for g in grads)
+        return (*zeroed, None)
 
 
 def _key(

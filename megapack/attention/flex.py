@@ -3,7 +3,8 @@
 Every query ``i`` may attend the keys ``lo[i] <= j <= hi[i]`` plus the one key ``extra[i]`` (-1 for
 none): `document_intervals` gives, for a query at row position ``p`` of a document whose buffer
 segment starts at ``s`` with ``n`` real tokens, ``[s, p]`` when ``p`` is real and ``[s, s + n - 1]`` plus
-``p`` itself when ``p`` is alignment padding (a padding row needs one key; its output is zeroed). The
+``p`` itself when ``p`` is alignment padding (a padding row needs one key; its output is zeroed), and
+only ``p`` itself when ``p`` is past the last boundary (so nothing there reaches a document). The
 same intervals give the mask function flex calls inside partial blocks and the block tables
 themselves, so the two cannot disagree:
 
@@ -33,7 +34,7 @@ from typing import Any, cast
 
 import torch
 
-from megapack.attention.documents import Documents, zero_padding
+from megapack.attention.documents import Documents, zero_outside
 
 BLOCK = 128
 """flex_attention's default sparse block size."""
@@ -42,19 +43,23 @@ BLOCK = 128
 def document_intervals(
     positions: torch.Tensor, cu_buffer: torch.Tensor, cu_real: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(lo, hi, extra) [N] int64 of queries at row ``positions`` (keys are row positions).
+    """(lo, hi, extra) [N] int64 of queries at row ``positions`` (keys are row positions); a
+    position past the last boundary attends only itself.
 
     Example:
-        >>> lo, hi, extra = document_intervals(torch.arange(8), torch.tensor([0, 4, 8]),
+        >>> lo, hi, extra = document_intervals(torch.arange(10), torch.tensor([0, 4, 8]),
         ...                                    torch.tensor([0, 3, 5]))
         >>> lo.tolist(), hi.tolist(), extra.tolist()
-        ([0, 0, 0, 0, 4, 4, 4, 4], [0, 1, 2, 2, 4, 5, 5, 5], [-1, -1, -1, 3, -1, -1, 6, 7])
+        ([0, 0, 0, 0, 4, 4, 4, 4, 8, 9], [0, 1, 2, 2, 4, 5, 5, 5, 8, 9], [-1, -1, -1, 3, -1, -1, 6, 7, -1, -1])
     """
     cu = cu_buffer.to(torch.int64)
     doc = torch.searchsorted(cu[1:], positions, right=True).clamp(max=len(cu) - 2)
     starts = cu[doc]
     lengths = (cu_real[1:] - cu_real[:-1]).to(torch.int64)
-    return intervals(positions, starts, starts + lengths[doc])
+    lo, hi, extra = intervals(positions, starts, starts + lengths[doc])
+    past = positions >= cu[-1]
+    return (torch.where(past, positions, lo), torch.where(past, positions, hi),
+            torch.where(past, -1, extra))  # fmt: skip
 
 
 def intervals(
@@ -125,9 +130,18 @@ def document_block_mask(docs: Documents, device: torch.device) -> Any:
 def flex_attention_thd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, scale: float, dropout: float
 ) -> torch.Tensor:
-    """Compiled flex_attention of a row's documents with the micro-batch's block mask."""
+    """Compiled flex_attention of a row's documents with the micro-batch's block mask; zeros,
+    output and gradients, where no real token is.
+
+    flex computes whole 128 x 128 tiles and masks scores, not loads: a NaN or inf held by a
+    masked key in a tile of real ones would still reach the real queries (0 x NaN), so q, k and v
+    are zeroed where no real token is before the kernel (``torch.where``: its backward zeroes the
+    gradients there too). Cost: one pass over each of q, k, v forward and their gradients backward.
+    """
+    keep = docs.kept()[:, None, None]
+    q, k, v = (torch.where(keep, x, x.new_zeros(())) for x in (q, k, v))
     out = run_flex(q, k, v, document_block_mask(docs, q.device), scale)
-    return zero_padding(out, docs)
+    return zero_outside(out, docs)
 
 
 def run_flex(

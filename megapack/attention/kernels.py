@@ -1,11 +1,15 @@
 """The single-row kernels behind `PackedAttention` and `packed_attention` (no context parallelism).
 
-Each kernel attends causally within every buffer segment of `Documents` and writes zeros at
-alignment-padding positions. `KERNELS` maps backend names to them (Transformer Engine lives in
-`megapack.attention.te`, cuDNN's ragged graphs in `megapack.attention.cudnn`, the length buckets
-in `megapack.attention.bucketed`, flex in `megapack.attention.flex`, torch's varlen_attn forms in
-`megapack.attention.varlen`); `attend` runs one and falls back where ``auto`` chose a cuDNN graph
-that cannot be built. ``sbhd_attention`` serves padded [s, b] batches.
+Each kernel attends causally within every buffer segment of `Documents` and gives exact zeros,
+output and gradients, at every position that holds no real token: alignment padding and positions
+past the last boundary (`megapack.attention.documents.zero_outside` and ``guard_outside`` around
+the FlashAttention-based kernels, which leave those rows uninitialised; cuDNN's outputs are
+zero-filled; bucketed and sdpa never read or write them). `KERNELS` maps backend names to them
+(Transformer Engine lives in `megapack.attention.te`, cuDNN's ragged graphs in
+`megapack.attention.cudnn`, the length buckets in `megapack.attention.bucketed`, flex in
+`megapack.attention.flex`, torch's varlen_attn forms in `megapack.attention.varlen`); `attend`
+runs one and falls back where ``auto`` chose a cuDNN graph that cannot be built.
+``sbhd_attention`` serves padded [s, b] batches.
 
 Shapes: q [T, h, d], k/v [T, g, d] -> [T, h, d] (h query heads, g key/value groups, g divides h).
 """
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 from megapack.attention.bucketed import bucketed_attention
 from megapack.attention.choice import fallback
 from megapack.attention.cudnn import CudnnUnavailable, cudnn_attention
-from megapack.attention.documents import Documents, zero_padding
+from megapack.attention.documents import Documents, guard_outside, zero_outside
 from megapack.attention.flex import flex_attention_thd
 from megapack.attention.varlen import call_varlen
 
@@ -61,8 +65,9 @@ def varlen_attention(
 ) -> torch.Tensor:
     """torch's varlen_attn over the buffer segments, causal, in the installed torch's form."""
     cu = docs.cu_buffer.to(torch.int32)
+    q, k, v = guard_outside(q, k, v, docs)
     out = call_varlen(q, k, v, cu, cu, docs.max_seqlen, docs.max_seqlen, scale=scale)
-    return zero_padding(out, docs)
+    return zero_outside(out, docs)
 
 
 def flash_attn_attention(
@@ -72,6 +77,7 @@ def flash_attn_attention(
     from flash_attn import flash_attn_varlen_func
 
     cu = docs.cu_buffer.to(torch.int32)
+    q, k, v = guard_outside(q, k, v, docs)
     out = flash_attn_varlen_func(
         q,
         k,
@@ -84,7 +90,7 @@ def flash_attn_attention(
         softmax_scale=scale,
         causal=True,
     )
-    return zero_padding(out, docs)
+    return zero_outside(out, docs)
 
 
 KERNELS: dict[str, Callable[..., torch.Tensor]] = {
@@ -111,18 +117,24 @@ def attend(
     training: bool,
 ) -> tuple[str, torch.Tensor]:
     """(the backend that ran, its output): ``KERNELS[name]``, or, where ``auto`` chose cudnn and
-    cuDNN cannot build or run its graph here, the next backend ``auto`` prefers (logged once).
+    cuDNN cannot build its graphs here, the next backend ``auto`` prefers (logged once). cuDNN
+    refuses before any of its kernels runs (`megapack.attention.cudnn`), so the fallback does the
+    whole call, forward and backward. A lasting refusal keeps ``auto`` off cudnn in this process;
+    after a transient one (out of memory...) the next call tries cudnn again.
 
     Raises:
         ValueError: an explicit ``backend="cudnn"`` that cuDNN cannot run, with cuDNN's reason.
+        CaptureError: a cuDNN graph not built yet, asked for inside a CUDA-graph capture (no
+            fallback: warm up eagerly).
     """
     try:
         return name, KERNELS[name](q, k, v, docs, scale, dropout)
     except CudnnUnavailable as exc:
         if not auto:
-            raise ValueError(f"attention backend 'cudnn' cannot run here: {exc}") from exc
-        name = fallback("cudnn", str(exc), q.device, q.dtype, training=training,
-                        dropout=dropout, planned=docs.buckets is not None)  # fmt: skip
+            again = "" if exc.lasting else " (a transient failure: the next call tries again)"
+            raise ValueError(f"attention backend 'cudnn' cannot run here: {exc}{again}") from exc
+        name = fallback("cudnn", str(exc), q.device, q.dtype, training=training, dropout=dropout,
+                        planned=docs.buckets is not None, remember=exc.lasting)  # fmt: skip
         return name, KERNELS[name](q, k, v, docs, scale, dropout)
 
 

@@ -1,20 +1,27 @@
 """Transformer Engine's THD attention, with its own context parallelism when given a CP group.
 
-Untested here (CUDA and Transformer Engine only). TE takes the CP group, its global ranks, a side
+Runs on CUDA with Transformer Engine only; on CPU its wrapper is tested with the module stubbed
+(tests/unit/test_zero_outside.py). TE takes the CP group, its global ranks, a side
 stream and the comm type ("p2p" unless megatron-core passed ``cp_comm_type``) at construction, and
 wants the whole row's ``cu_seqlens`` with this rank's "document"-layout share of the tokens. TE's
 ``DotProductAttention`` holds no parameters, so one module per configuration serves every caller.
+
+``pad_between_seqs`` (TE >= 2.2, whose ``forward`` takes it) is passed from the host's knowledge of
+the boundaries (`Documents.padded`): without it TE compares ``cu_seqlens`` with
+``cu_seqlens_padded`` on the device and reads the answer on the host (``torch.equal``), a sync
+that breaks a CUDA-graph capture. Older TE releases do not take it and run that comparison.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megapack.attention.documents import Documents, zero_padding
+from megapack.attention.documents import Documents, guard_outside, zero_outside
 
 
 def te_attention(
@@ -29,9 +36,19 @@ def te_attention(
     cp_group: Any = None,
     cp_comm_type: str | None = None,
 ) -> torch.Tensor:
-    """``q [T, h, d]``, ``k``/``v [T, g, d]`` -> [T, h, d], causal within every document (padding_causal)."""
+    """``q [T, h, d]``, ``k``/``v [T, g, d]`` -> [T, h, d], causal within every document (padding_causal).
+
+    Without a CP group, outputs and input gradients are exactly zero where no real token is
+    (`megapack.attention.documents.zero_outside`, ``guard_outside``): TE zero-fills them in its
+    fused (cuDNN) path, not in every path it may choose. With a CP group ``docs`` describes the
+    whole row and q this rank's share, so the masks do not apply: TE's own CP handles padding.
+    """
     module = _module(q.shape[1], k.shape[1], q.shape[2], scale, dropout, cp_group, cp_comm_type)
+    if cp_group is None:
+        q, k, v = guard_outside(q, k, v, docs)
     module.train(training)
+    kind: type = type(module)
+    told = {"pad_between_seqs": docs.padded} if _takes_pad_between_seqs(kind) else {}
     out = module(
         q,
         k,
@@ -44,8 +61,21 @@ def te_attention(
         cu_seqlens_kv_padded=docs.cu_buffer,
         max_seqlen_q=docs.max_seqlen,
         max_seqlen_kv=docs.max_seqlen,
+        **told,
     )
-    return zero_padding(out.reshape(q.shape[0], q.shape[1], -1), docs)
+    out = out.reshape(q.shape[0], q.shape[1], -1)
+    return out if cp_group is not None else zero_outside(out, docs)
+
+
+@functools.cache
+def _takes_pad_between_seqs(module_type: type) -> bool:
+    """Whether this TE release's ``DotProductAttention.forward`` takes ``pad_between_seqs``
+    (TE >= 2.2; read once per class)."""
+    method = getattr(module_type, "forward", None) or module_type.__call__
+    try:
+        return "pad_between_seqs" in inspect.signature(method).parameters
+    except (TypeError, ValueError):  # a C callable without a signature: assume an old release
+        return False
 
 
 @functools.lru_cache(maxsize=32)

@@ -13,8 +13,10 @@ sees keys 0..i, all real (padding only follows), so the result equals per-docume
               adds the least padded attention work (n x L^2) merge, repeatedly
 
 A bucket is an int32 index [n, L]: row j lists the buffer positions of its document's real tokens,
-then ``total`` (the sentinel: a padding slot) up to L. Alignment padding and zero-length documents
-are in no bucket; their outputs are zero.
+then ``total`` T, the row's token count (the sentinel: a padding slot) up to L. The sentinel is T,
+never the last boundary: where the boundaries end before T, position ``cu_buffer[-1]`` is a real
+(tail) position, and a padding slot marked with it would alias it. Alignment padding, zero-length
+documents and positions past the last boundary are in no bucket; their outputs are zero.
 
 The plan is made where the lengths are on the host: the TP source, before sending the batch.
 Declare ``fields=megapack.BUCKET_FIELDS`` and every rank receives it (one ragged field per bucket,
@@ -71,7 +73,7 @@ def plan_buckets(
     cu_buffer: Sequence[int] | np.ndarray,
     cu_real: Sequence[int] | np.ndarray | None = None,
     *,
-    total: int | None = None,
+    total: int,
     max_buckets: int = MAX_BUCKETS,
 ) -> list[np.ndarray]:
     """The buckets of one micro-batch (module docstring): int32 [n, L] position indices.
@@ -79,14 +81,19 @@ def plan_buckets(
     Args:
         cu_buffer: [k + 1] buffer boundaries (``cu_seqlens_padded``, else ``cu_seqlens``).
         cu_real: [k + 1] real boundaries (``cu_seqlens``) when documents are padded; None: the same.
-        total: the sentinel (the row's positions); default ``cu_buffer[-1]``.
+        total: T, the micro-batch's token positions (>= ``cu_buffer[-1]``): the sentinel.
         max_buckets: most buckets.
 
+    Raises:
+        ValueError: ``total`` below the last boundary, or boundaries of different lengths.
+
     Example:
-        >>> [b.shape for b in plan_buckets([0, 3, 8, 10, 16])]
+        >>> [b.shape for b in plan_buckets([0, 3, 8, 10, 16], total=16)]
         [(4, 8)]
-        >>> plan_buckets([0, 3, 8, 10, 16])[0][0].tolist()
+        >>> plan_buckets([0, 3, 8, 10, 16], total=16)[0][0].tolist()
         [0, 1, 2, 16, 16, 16, 16, 16]
+        >>> plan_buckets([0, 3, 8], total=10)[0][0].tolist()  # positions 8, 9: past the boundaries
+        [0, 1, 2, 10, 10, 10, 10, 10]
     """
     starts_all = np.asarray(cu_buffer, dtype=np.int64)
     real = starts_all if cu_real is None else np.asarray(cu_real, dtype=np.int64)
@@ -94,7 +101,12 @@ def plan_buckets(
         raise ValueError(
             f"cu_seqlens has {len(real)} entries but cu_seqlens_padded {len(starts_all)}"
         )
-    sentinel = int(starts_all[-1]) if total is None else int(total)
+    sentinel = int(total)
+    if len(starts_all) and sentinel < int(starts_all[-1]):
+        raise ValueError(
+            f"total={sentinel} is below the last boundary {int(starts_all[-1])}: pass the "
+            "micro-batch's token count T (tokens.shape[-1]), which the boundaries never exceed"
+        )
     lengths = np.diff(real)
     starts = starts_all[:-1]
     keep = lengths > 0
@@ -139,12 +151,24 @@ def _class_of(classes: np.ndarray, sizes: list[int]) -> np.ndarray:
 
 def with_bucket_plan(values: Mapping[str, Any]) -> dict[str, Any]:
     """A packed batch's values with the `BUCKET_NAMES` fields planned from its boundaries (on the
-    TP source, where they are host tensors); absent buckets are None."""
+    TP source, where they are host tensors); absent buckets are None. The sentinel is the row's
+    token count T: the last dim of the first token grid present (tokens, labels, loss_mask,
+    position_ids), else the last boundary.
+
+    Example:
+        >>> values = {"cu_seqlens": torch.tensor([0, 3]), "tokens": torch.zeros(1, 5)}
+        >>> with_bucket_plan(values)[BUCKET_NAMES[0]].tolist()
+        [[0, 1, 2, 5, 5, 5, 5, 5]]
+    """
     out = dict(values)
     buffer = values.get("cu_seqlens_padded")
     real = values["cu_seqlens"]
     cu_buffer = (real if buffer is None else buffer).tolist()
-    buckets = plan_buckets(cu_buffer, None if buffer is None else real.tolist())
+    from megapack.core.rows import GRID_NAMES  # lazily: rows -> batch -> extras import this module
+
+    grid = next((values[n] for n in GRID_NAMES if values.get(n) is not None), None)
+    total = int(cu_buffer[-1]) if grid is None else int(grid.shape[-1])
+    buckets = plan_buckets(cu_buffer, None if buffer is None else real.tolist(), total=total)
     for i, name in enumerate(BUCKET_NAMES):
         out[name] = torch.from_numpy(buckets[i]) if i < len(buckets) else None
     return out

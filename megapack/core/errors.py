@@ -74,4 +74,8 @@ class CollectiveError(RuntimeError):
 
 
 class CaptureError(RuntimeError):
-    """An operation that reads the device on the host ran inside a CUDA-graph capture."""
+    """An operation that reads the device on the host ran inside a CUDA-graph capture.
+
+    Also raised for work a capture cannot record that has to happen once first, such as building a
+    cuDNN attention graph (`megapack.attention.cudnn_graph`): the message says to warm up eagerly.
+    """

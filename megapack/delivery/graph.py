@@ -19,6 +19,20 @@ naming the field and both sides, before anything is copied (`check` alone runs t
 `megapack.megatron.graph_step.GraphStep` checks every micro-batch of a step before loading any).
 A whole captured step of M micro-batches reads M of these, one per micro-batch slot
 (`megapack.megatron.graph_step`).
+
+The bucket plan (``fields=megapack.BUCKET_FIELDS``, `megapack.core.buckets`) is kept, not made
+static: its buckets' shapes change with every batch, so `load` hands the batch's own plan on (the
+``attention_bucket_*`` entries and ``packed_seq_params``'s, where the attention reads it). The
+static dict then brings a plan exactly when the delivered batches do, so ``backend="auto"`` picks
+the same backend for a step run from the slots as for an eager step run on the batches as
+delivered (on CUDA it takes ``bucketed`` only with a plan). No captured kernel reads the plan:
+``bucketed`` refuses a capture, and `GraphStep` refuses it before capturing. Every batch must
+bring a plan if the first did, and none if it did not.
+
+Padded boundaries (a ``cu_seqlens_padded`` buffer): where megatron-core's ``PackedSeqParams``
+has ``pad_between_seqs`` (0.19), the static one has it True (`make_packed_seq_params` sets it
+whenever padded boundaries are given), whatever the first batch's padding: any later batch may be
+padded, and Transformer Engine's THD attention otherwise compares the two boundaries on the host.
 """
 
 from __future__ import annotations
@@ -28,7 +42,8 @@ from typing import Any
 
 import torch
 
-from megapack.core.seq_params import make_packed_seq_params
+from megapack.core.buckets import BUCKET_NAMES
+from megapack.core.seq_params import BUCKETS_ATTR, make_packed_seq_params
 
 _SCALARS = ("max_seqlen", "local_cp_size")
 
@@ -38,12 +53,17 @@ class GraphInputs:
 
     Args:
         batch: a delivered batch (`megapack.get_batch_on_this_tp_rank`'s dict); the buffers take
-            its shapes, dtypes and devices.
+            its shapes, dtypes and devices; its bucket plan, if it brings one, is kept.
     """
 
     def __init__(self, batch: Mapping[str, Any]) -> None:
+        self.planned = BUCKET_NAMES[0] in batch
+        """Whether the batches bring their bucket plan (kept, not static: module docstring)."""
+        self._check_plan(batch)
         self.buffers: dict[str, torch.Tensor] = {
-            k: torch.empty_like(v) for k, v in batch.items() if isinstance(v, torch.Tensor)
+            k: torch.empty_like(v)
+            for k, v in batch.items()
+            if isinstance(v, torch.Tensor) and k not in BUCKET_NAMES
         }
         self.scalars = {k: batch.get(k) for k in _SCALARS}
         params = batch.get("packed_seq_params")
@@ -57,6 +77,7 @@ class GraphInputs:
                 cp_group=getattr(params, "cp_group", None),
                 local_cp_size=getattr(params, "local_cp_size", None),
             )
+        self._keep_plan(batch)
 
     def check(self, batch: Mapping[str, Any]) -> None:
         """Raise ValueError (naming the field, what it is and what the step reads) unless
@@ -85,8 +106,13 @@ class GraphInputs:
                     "batch in one static shape (get_batch_on_this_tp_rank(..., "
                     "static=megapack.StaticShape(...)))"
                 )
+        self._check_plan(batch)
         for name, value in batch.items():
-            if isinstance(value, torch.Tensor) and name not in self.buffers:
+            if (
+                isinstance(value, torch.Tensor)
+                and name not in self.buffers
+                and name not in BUCKET_NAMES
+            ):
                 raise ValueError(
                     f"GraphInputs: batch[{name!r}] is a {tuple(value.shape)} tensor but the "
                     f"captured step was made from a batch whose {name!r} was None: it would never "
@@ -105,4 +131,40 @@ class GraphInputs:
         self.check(batch)
         for name, buffer in self.buffers.items():
             buffer.copy_(batch[name], non_blocking=True)
+        self._keep_plan(batch)
         return self.batch
+
+    def _check_plan(self, batch: Mapping[str, Any]) -> None:
+        """A plan exactly when the first batch had one, each bucket None or an int32 [n, L]."""
+        if (BUCKET_NAMES[0] in batch) != self.planned:
+            has, had = ("brings a", "without") if not self.planned else ("has no", "with")
+            raise ValueError(
+                f"GraphInputs: the batch {has} bucket plan (fields=megapack.BUCKET_FIELDS) but "
+                f"the captured step was made from a batch {had} one, so its attention would "
+                "choose another backend; deliver every batch with the same fields"
+            )
+        for name in BUCKET_NAMES if self.planned else ():
+            value = batch.get(name)
+            if value is not None and not (
+                isinstance(value, torch.Tensor) and value.dim() == 2 and value.dtype == torch.int32
+            ):
+                got = (
+                    f"{tuple(value.shape)} {value.dtype}"
+                    if isinstance(value, torch.Tensor)
+                    else type(value).__name__
+                )
+                raise ValueError(
+                    f"GraphInputs: batch[{name!r}] is {got}, not a bucket of the plan (None or "
+                    "an int32 [n, L] index, megapack.core.buckets)"
+                )
+
+    def _keep_plan(self, batch: Mapping[str, Any]) -> None:
+        """The batch's bucket plan onto the static dict and its ``packed_seq_params``."""
+        if not self.planned:
+            return
+        for name in BUCKET_NAMES:
+            self.batch[name] = batch.get(name)
+        params = self.batch.get("packed_seq_params")
+        if params is not None:
+            plan = tuple(b for n in BUCKET_NAMES if (b := batch.get(n)) is not None)
+            setattr(params, BUCKETS_ATTR, plan)

@@ -22,8 +22,10 @@ following step; what changes between steps travels through static buffers:
                             norm and the clip coefficient stay on the device
 
 A step runs as: M micro-batches checked (all of them, before anything is copied), padded into the
-`megapack.StaticShape` where they fit and loaded into their slots; then ``warmup`` eager steps on
-a side stream (lazily built optimizer state, workspaces), the capture, and a replay per step.
+`megapack.StaticShape` where they fit and loaded into their slots; then ``warmup`` (>= 1) eager
+steps on a side stream (lazily built optimizer state, workspaces), the capture, and a replay per
+step. During the capture the config's ``timers`` are None (their ``start()`` synchronizes the
+device), restored after (`megapack.megatron.graph_parts.hooks_cleared`).
 With a DP group of more than one rank the graph is split in two around the gradient all-reduce,
 which runs eagerly between the replays (gloo cannot be captured; NCCL could, but then every rank
 must capture and replay in lockstep): ``zero + schedule`` | all-reduce(grads, tokens) |
@@ -36,12 +38,17 @@ runs eagerly on the batches as delivered, the same code on other buffers, and is
 fits. ``mode="eager"`` runs every step that way, exactly what the graph holds without capturing
 it (on CPU: what the tests compare with megatron-core's own schedule, DDP and optimizer loop).
 
-Not covered (refused at construction): tensor or pipeline parallelism (their collectives and P2P
-would be captured; megatron-core's pipelined schedules also synchronize the host), context
-parallelism (megapack's CP attention plan reads the boundaries on the host), megatron-core's
-``DistributedDataParallel`` wrapper and its optimizers (they own gradient buffers and read the
-host for grad norms and found-inf checks). Legend: M micro-batches per step, DP data-parallel
-ranks.
+Not covered (refused at construction, by name, with the reason): tensor or pipeline parallelism
+(their collectives and P2P would be captured; megatron-core's pipelined schedules also
+synchronize the host), context parallelism (megapack's CP attention plan reads the boundaries on
+the host), megatron-core's ``DistributedDataParallel`` wrapper and its optimizers (they own
+gradient buffers and read the host for grad norms and found-inf checks), and the config fields of
+`megapack.megatron.graph_parts.REFUSED` (loss scaling, DDP hooks, megatron-core's own CUDA graphs,
+MoE token routing, multi-token prediction, recompute, offloading). A captured step also needs
+the tensor-parallel group on NCCL (the loss's cross-entropy all-reduces over it even at tp 1) and
+an attention a capture can hold (`megapack.megatron.graph_parts.check_capture_attention`),
+checked at every step before the capture, the first before anything runs. Legend: M
+micro-batches per step, DP data-parallel ranks.
 
 Example, a pretrain_gpt-style loop (every micro-batch delivered in the static shape)::
 
@@ -67,10 +74,14 @@ import torch.distributed as dist
 from megapack.core.checks import check_int
 from megapack.core.static import StaticShape, pad_static
 from megapack.megatron.graph_parts import (
+    check_capture_attention,
+    check_config,
     check_optimizer,
     check_parallel_sizes,
+    check_tp_backend,
     data_parallel_group,
     grad_views,
+    hooks_cleared,
     rng_generators,
 )
 
@@ -122,13 +133,22 @@ class GraphStep:
         inputs: the factory of a slot's static buffers, ``megapack.GraphInputs``.
         mode: "graph" (capture after ``warmup`` steps; CUDA) or "eager" (never capture).
         max_grad_norm: clip the gradients' global L2 norm to this (None: no clipping).
-        warmup: eager steps, on a side stream, before the capture ("graph" only).
+        warmup: eager steps, on a side stream, before the capture ("graph" only), at least 1:
+            a torch optimizer builds its state (AdamW's step count and moments) on its first
+            ``step()``, which must not be the captured one.
         dp_group: the data-parallel group the gradients are summed over; default
             megatron-core's; None: no data parallelism.
 
     Raises:
-        ValueError: tp, pp or cp above 1, ``calculate_per_token_loss`` off, an optimizer over
-            parameters outside the model or not capturable in "graph" mode, "graph" on CPU.
+        ValueError: tp, pp or cp above 1, ``calculate_per_token_loss`` off, ``warmup`` 0, a
+            model config field GraphStep refuses (`megapack.megatron.graph_parts.REFUSED`:
+            loss scaling, DDP hooks, megatron-core's own CUDA graphs, MoE, multi-token
+            prediction, recompute, offloading; checked again before every step), an optimizer
+            over parameters outside the model or not capturable in "graph" mode, "graph" on CPU.
+            At the steps before the capture in "graph" mode (the first before anything runs): a
+            tensor-parallel group whose CUDA backend is not NCCL, an attention whose backend a
+            capture cannot hold, or Transformer Engine's on padded boundaries without
+            ``pad_between_seqs`` (`megapack.megatron.graph_parts.check_capture_attention`).
         TypeError: a DDP-wrapped model, a param group whose ``lr`` is not a tensor.
     """
 
@@ -151,6 +171,13 @@ class GraphStep:
 
         self.micro_batches = check_int("micro_batches", micro_batches, minimum=1)
         self.warmup = check_int("warmup", warmup, minimum=0)
+        if self.warmup == 0:
+            raise ValueError(
+                "warmup must be >= 1, got 0: a torch optimizer builds its state on its first "
+                "step() (AdamW's step count and moments, zero-filled), so with no eager step "
+                "before the capture that fill would be captured and every replay would restart "
+                "Adam at step 1; use warmup=1 or more"
+            )
         if not isinstance(static, StaticShape):
             raise TypeError(f"static must be a megapack.StaticShape, got {static!r}")
         if mode not in MODES:
@@ -179,6 +206,7 @@ class GraphStep:
                 f"{self._config.calculate_per_token_loss!r}): the step divides by its trained "
                 "tokens on the device (return normalized_loss(..., calculate_per_token_loss=True))"
             )
+        check_config(self._config, graph=mode == "graph")
         check_parallel_sizes()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
@@ -206,6 +234,13 @@ class GraphStep:
         """Eager steps run before the capture ("graph" mode)."""
         self.replays = 0
         """Steps replayed (the capture's own step included)."""
+        autocast = getattr(self._config, "autocast_dtype", None)
+        self._dtype = (
+            autocast
+            if getattr(self._config, "enable_autocast", False) and autocast is not None
+            else self._params[0].dtype
+        )
+        """What the attention computes in: the config's autocast dtype, else the parameters'."""
 
     def set_lr(self, value: float | Sequence[float]) -> None:
         """Copy the learning rate (one float, or one per param group) into the device tensors the
@@ -252,6 +287,8 @@ class GraphStep:
         statics = [slot.load(f) for slot, f in zip(self._slots, ready, strict=True)]
         if self.mode == "eager":
             return self._eager(statics)
+        if not self._graphs:  # before the warm-up's first step and again before the capture
+            self._check_capture(statics[0])
         if self.warmup_steps < self.warmup:
             self.warmup_steps += 1
             return self._on_side_stream(statics)
@@ -347,7 +384,10 @@ class GraphStep:
                 )
             for state in generators:
                 register(state)  # type: ignore[misc]
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            with (
+                hooks_cleared(self._config),
+                torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"),
+            ):
                 result = part()
             self._graphs.append(graph)
             return result
@@ -389,8 +429,16 @@ class GraphStep:
             return None
         return pad_static(batch, self.static)
 
+    def _check_capture(self, batch: Mapping[str, Any]) -> None:
+        """What the capture needs beyond the config (`megapack.megatron.graph_parts`): NCCL for
+        the tensor-parallel group the loss all-reduces over, an attention a capture can hold."""
+        check_tp_backend(self.model)
+        check_capture_attention(self.model, batch, device=self.device, dtype=self._dtype)
+
     def _check_owned(self) -> None:
-        """Nothing the graph reads was swapped for another tensor between steps."""
+        """Nothing the graph reads was swapped for another tensor between steps, and no refused
+        config field was set since (Megatron-LM's training loop sets hooks after building)."""
+        check_config(self._config, graph=self.mode == "graph")
         if len(self.optimizer.param_groups) != len(self._lrs):
             raise ValueError(
                 f"the optimizer has {len(self.optimizer.param_groups)} param groups but GraphStep "

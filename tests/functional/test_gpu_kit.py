@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -33,10 +34,14 @@ def on_gpu(test: Any) -> Any:
     return pytest.mark.gpu(skip(test))
 
 
+SAME_PYTHON = {**os.environ, "PYTHON": sys.executable}
+"""The script runs the kit with this test's Python (and its torch build), not whatever python3 is."""
+
+
 def run_kit(out: Path, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:  # fmt: skip
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
-        capture_output=True, text=True, timeout=240, env={**os.environ, **(env or {})},
+        capture_output=True, text=True, timeout=240, env={**SAME_PYTHON, **(env or {})},
     )  # fmt: skip
     return done, json.loads((out / "gpu-report.json").read_text())
 
@@ -105,7 +110,11 @@ def test_dry_run_report(tmp_path: Path) -> None:
         assert p["by_owner_ms"]["megatron"] > 0 and p["by_owner_ms"]["megapack"] > 0, p
     text = (tmp_path / "kit" / "gpu-report.md").read_text()
     assert "DRY RUN" in text and "## Checks" in text and "## Packing against each baseline" in text
-    assert ", cuDNN none, cudnn frontend " in text  # the versions in the header (CPU torch: none)
+    # the versions in the header: a CPU build of torch has no cuDNN, PyPI's CUDA build has one
+    # (GPU or not)
+    raw = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    library = "none" if raw is None else rf"\d+\.\d+\.\d+ \({raw}\)"
+    assert re.search(rf", cuDNN {library}, cudnn frontend ", text), text[:500]
     assert "sections: attention, losses, syncs, throughput, profile, graph" in text
     assert (
         "| 128 | sft-short | padded_fixed | ok |" in text and " (4) |" in text
@@ -116,12 +125,84 @@ def test_dry_run_report(tmp_path: Path) -> None:
     )
 
 
+PLANTED = """import sys
+from megapack.bench.gpu import kit
+
+def planted(run):
+    raise RuntimeError("planted: the attention-rows section broke")
+
+kit.RUNNERS["attention-rows"] = planted
+sys.exit(kit.main(sys.argv[1:]))
+"""
+"""The kit with its attention-rows section replaced by one that raises (a planted failure)."""
+FIRST_RUN_SECTIONS = {
+    "smoke": ("sync: positive control", "host-wait probe: positive control", "smoke: "),
+    "attention-rows": ("section attention-rows",),
+    "throughput-4k": ("model: ", "throughput-4k", "throughput spread", "target: packed", "target (stretch)"),
+    "graph-launch": ("graph: ",),
+}  # fmt: skip
+"""Which section each check of the first-run plan belongs to, by the start of its name."""
+
+
+def test_the_first_run_plan_dry_run_goes_on_after_a_failed_section(tmp_path: Path) -> None:
+    """``--plan first-run --dry-run`` through the script, with a planted failure in its second
+    section: every section reports, in the plan's order, the planted failure is one failed check
+    and the sections after it run as they do on CPU (passed, info, or skipped for want of CUDA)."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$1" = -m ] && [ "$2" = megapack.bench.gpu.kit ]; then shift 2; '
+        f'exec {sys.executable} -c "$PLANTED" "$@"; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    fake.chmod(0o755)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--plan", "first-run", "--out", str(tmp_path / "kit")],
+        capture_output=True, text=True, timeout=240, env={**SAME_PYTHON, "PYTHON": str(fake), "PLANTED": PLANTED},
+    )  # fmt: skip
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    assert cpu_s < 60, f"the first-run dry run took {cpu_s:.0f} CPU s; it must stay under a minute"
+    assert done.returncode == 1, (done.stdout[-3000:], done.stderr[-3000:])  # a check failed
+    checks = json.loads((tmp_path / "kit" / "gpu-report.json").read_text())["checks"]
+    failed = [c for c in checks if c["status"] == "failed"]
+    assert [c["name"] for c in failed] == ["section attention-rows"], failed
+    assert failed[0]["detail"].startswith("RuntimeError: planted: the attention-rows section broke")
+    order = []
+    for c in checks[1:-1]:  # between the set-up and the time target: the plan's sections
+        (section,) = [s for s, starts in FIRST_RUN_SECTIONS.items() if c["name"].startswith(starts)]
+        if not order or order[-1] != section:
+            order.append(section)
+    assert order == ["smoke", "attention-rows", "throughput-4k", "graph-launch"], order
+    assert checks[0]["name"] == "set-up"
+    assert checks[-1]["name"] == "target: the first-run plan within 5 minutes"
+    for c in checks:  # what did not run here says it needs CUDA (or is a target of a GPU run)
+        if c["status"] == "skipped":
+            assert "CUDA" in c["detail"] or c["name"].startswith("target"), c
+    by_name = {c["name"]: c for c in checks}
+    for name in ("cudnn", "torch_varlen"):  # unavailable on CPU, with the reason: not the stand-in
+        assert by_name[f"smoke: {name}"]["detail"] == f"cannot train float32 on cpu here: {name} runs on CUDA only"  # fmt: skip
+    refusal = "smoke: bucketed: refused by GraphStep before its warm-up (expected: a capture cannot hold it)"
+    assert by_name[refusal]["status"] == "passed", by_name[refusal]
+    assert by_name["throughput-4k"]["status"] == "passed"
+    assert "1 mix (openchat) x 2 modes (packed, grouped)" in by_name["throughput-4k"]["detail"]
+    graphs = [c for c in checks if c["name"].startswith("graph: launch-bound")]
+    assert graphs and not [
+        c for c in checks if c["name"].startswith("graph: 0.1M")
+    ]  # launch-bound only
+    text = (tmp_path / "kit" / "gpu-report.md").read_text()
+    assert "sections: smoke, attention-rows, throughput-4k, graph-launch" in text
+    assert ("attention backend of the kit's models: auto (the first-run plan trains cudnn where it "
+            "can; cudnn is unavailable here: cudnn runs on CUDA only); plan first-run") in text  # fmt: skip
+
+
 def test_a_run_of_one_section(tmp_path: Path) -> None:
     """``--only attention`` runs the attention checks and nothing that trains: no model, no
     throughput; the flags reach the kit through the script."""
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--only", "attention", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env=SAME_PYTHON,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu-report.json").read_text())
@@ -160,10 +241,15 @@ def test_the_script_passes_the_kits_flags_through(tmp_path: Path) -> None:
         in done.stdout
     )
     assert "kit: -m megapack.bench.gpu.kit --list" in run(["bash", script, "--list"]).stdout
+    planned = run(["bash", script, "--plan", "first-run", "--out", str(tmp_path / "p")])
+    assert (
+        f"kit: -m megapack.bench.gpu.kit --out {tmp_path / 'p'} --plan first-run" in planned.stdout
+    )
     bad = run(["bash", script, "--only"])
     assert bad.returncode == 2 and "--only needs a value" in bad.stderr
-    listed = subprocess.run(["bash", script, "--list"], capture_output=True, text=True, timeout=60)
+    listed = subprocess.run(["bash", script, "--list"], capture_output=True, text=True, timeout=60, env=SAME_PYTHON)  # fmt: skip
     assert listed.returncode == 0 and "--only attention,losses,syncs,graph" in listed.stdout
+    assert "--plan first-run  (~" in listed.stdout
 
 
 def test_a_dead_kit_process_is_a_failed_check(tmp_path: Path) -> None:

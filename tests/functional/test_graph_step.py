@@ -16,7 +16,8 @@ not capturable) given the same gradients must land on the same parameters too. S
 
 with another learning rate each step. After every step the losses, every parameter's gradient
 and every parameter must agree within 1e-6 (relative to the tensor's largest value), on DP 1 and
-DP 2. The kit's optimizer comparison, CUDA-only in the kit, runs with an eager stand-in for the
+DP 2, and on DP 1 with every batch bringing its bucket plan (``fields=megapack.BUCKET_FIELDS``):
+the slots keep each batch's plan, whose shapes change from A to B. The kit's optimizer comparison, CUDA-only in the kit, runs with an eager stand-in for the
 graph (it passes on the same update and fails on another). The CUDA test captures and replays the
 step through the kit's `compare_replay` (skipped without CUDA).
 """
@@ -94,8 +95,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30)
 
 
-def compare_task(mode: str) -> dict[str, Any]:
-    """Four steps through GraphStep and through megatron-core's loop; the worst differences."""
+def compare_task(mode: str, planned: bool = False) -> dict[str, Any]:
+    """Four steps through GraphStep and through megatron-core's loop; the worst differences.
+    ``planned``: GraphStep's batches bring their bucket plan."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -106,7 +108,8 @@ def compare_task(mode: str) -> dict[str, Any]:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     import megapack
-    from megapack import GraphInputs, Topology, get_batch_on_this_tp_rank
+    from megapack import BUCKET_FIELDS, GraphInputs, Topology, get_batch_on_this_tp_rank
+    from megapack.core.seq_params import BUCKETS_ATTR
     from megapack.harness.megatron_cpu import megatron_on_cpu
     from megapack.megatron.graph_step import GraphStep
 
@@ -115,6 +118,7 @@ def compare_task(mode: str) -> dict[str, Any]:
     model_parallel_cuda_manual_seed(1234)
     topology = Topology.from_parallel_state()
     mine = packs(ps.get_data_parallel_rank())
+    fields = BUCKET_FIELDS if planned else ()
 
     ref_model, model, plain_model = GPT.build(), GPT.build(), GPT.build()
     for m in (ref_model, model, plain_model):
@@ -135,20 +139,24 @@ def compare_task(mode: str) -> dict[str, Any]:
         step = GraphStep(model, opt, forward_step, micro_batches=M, static=SHAPE,
                          inputs=GraphInputs, mode=mode, max_grad_norm=CLIP)  # fmt: skip
 
-        def plain(batches: list[PackedBatch]) -> list[dict[str, Any]]:
-            return [get_batch_on_this_tp_rank(iter([b]), topology=topology) for b in batches]
+        def plain(batches: list[PackedBatch], fields: Any = ()) -> list[dict[str, Any]]:
+            return [get_batch_on_this_tp_rank(iter([b]), topology=topology, fields=fields)
+                    for b in batches]  # fmt: skip
 
         with megapack.prefetch(iter(mine["A"] + mine["B"]), topology=topology, depth=2,
-                               static=SHAPE) as ahead:  # fmt: skip
+                               static=SHAPE, fields=fields) as ahead:  # fmt: skip
             static = [next(ahead) for _ in range(2 * M)]
-        inputs = [static[:M], static[M:], plain(mine["A"]), plain(mine["C"])]
+        inputs = [static[:M], static[M:], plain(mine["A"], fields), plain(mine["C"], fields)]
         names = ["A", "B", "A", "C"]
         worst: dict[str, float] = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-        reports, norms, slots = [], [], []
+        reports, norms, slots, plans = [], [], [], []
         for lr, name, batches in zip(LRS, names, inputs, strict=True):
             step.set_lr(lr)
             out = step(batches)
             slots.append([id(s) for s in step._slots or []])
+            statics = [s.batch for s in step._slots or []]  # type: ignore[attr-defined]
+            kept = [getattr(b["packed_seq_params"], BUCKETS_ATTR, None) for b in statics]
+            plans.append([None if k is None else [tuple(b.shape) for b in k] for k in kept])
 
             ddp.zero_grad_buffer()
             ref_reports = get_forward_backward_func()(
@@ -189,13 +197,19 @@ def compare_task(mode: str) -> dict[str, Any]:
         "eager_steps": step.eager_steps,
         "slots_kept": all(s == slots[0] for s in slots) and len(slots[0]) == M,
         "tokens": int(out.tokens),
+        "plans": plans[:3],  # the fitting steps' (C fell back: its slots were not loaded)
     }
 
 
-@pytest.mark.parametrize("dp", [1, 2], ids=["dp1", "dp2"])
-def test_graph_step_eager_equals_megatron_schedule_ddp_and_adamw(dist_pool: Any, dp: int) -> None:
-    results = dist_pool.run(compare_task, dp, "eager", timeout=180)
+@pytest.mark.parametrize(("dp", "planned"), [(1, False), (2, False), (1, True)],
+                         ids=["dp1", "dp2", "dp1-bucket-plan"])  # fmt: skip
+def test_graph_step_eager_equals_megatron_schedule_ddp_and_adamw(
+    dist_pool: Any, dp: int, planned: bool
+) -> None:
+    results = dist_pool.run(compare_task, dp, "eager", planned, timeout=180)
     for rank, r in enumerate(results):
+        a, b, again = r["plans"]  # each slot holds its batch's plan (A, B, A), or none
+        assert (a == again != b and None not in a) if planned else a == b == again == [None] * M
         assert all(v <= RTOL for v in r["worst"].values()), (rank, r["worst"])
         assert r["eager_steps"] == 1 and r["slots_kept"], r  # C fell back; A, B, A one slot set
         assert any(mine > CLIP for mine, _ in r["norms"]), r["norms"]  # the clip did clip

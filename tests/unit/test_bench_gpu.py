@@ -143,6 +143,29 @@ def test_targets_met_in_every_configuration() -> None:
     )
 
 
+def test_the_first_runs_throughput_targets_are_those_of_what_it_ran() -> None:
+    """OpenChat at seq 4,096, packed and grouped only (the first run's throughput-4k): the ideal and
+    grouped targets of that configuration and the stretch MFU, no ceiling target (not timed)."""
+    narrowed = [r for r in configs(packed_s=4.5, grouped_s=4.5 * 1.029, ceiling_s=4.5)
+                if r["config"] == "openchat, seq 4096" and r["mode"] in ("packed", "grouped")]  # fmt: skip
+    summary = summarize(narrowed, peak_flops=989e12)
+    checks = target_checks(
+        summary, seq_lens=(4096,), applies=True, mixes=("openchat",), ceiling=False
+    )
+    assert [c.name for c in checks] == [
+        "target: packed / grouped >= 0.97x the executed-FLOP ideal (openchat, seq 4096)",
+        "target: packed >= 1.0x grouped where the ideal >= 1.03 (openchat, seq 4096)",
+        "target (stretch): packed MFU (bf16 peak) >= 45% (openchat, seq 4096)",
+    ]
+    assert [c.status for c in checks] == ["passed", "passed", "failed"], checks
+    assert checks[0].detail.startswith("met: 0.980 against >= 0.97 (spread 0%)")
+    skipped = target_checks([], seq_lens=(4096,), applies=False, why_not="dry run", mixes=("openchat",),
+                            ceiling=False)  # fmt: skip
+    assert [c.status for c in skipped] == ["skipped"] * 3
+    missing = target_checks([], seq_lens=(4096,), applies=True, mixes=("openchat",), ceiling=False)
+    assert missing[0].status == "failed" and missing[0].detail.startswith("not measured")
+
+
 def test_targets_not_met_just_under() -> None:
     summary = summarize(configs(packed_s=5.0, grouped_s=5.0 * 1.05 * 0.969, ceiling_s=5.0 * 1.04 * 0.949),
                         peak_flops=2.0e15 / 5.0 / 0.451)  # fmt: skip

@@ -1,6 +1,7 @@
 """The GPU kit on torch 2.11 and in sections, on CPU: the profile without ``is_python_function``,
 a kernel that cannot compile reported as that (not as a sync), the sync target, the cuDNN
-versions in the header, the sections, their estimates and the split into two runs."""
+versions in the header, the sections, their estimates, the split into two runs, the first-run
+plan and its default backend."""
 
 from __future__ import annotations
 
@@ -17,10 +18,21 @@ import torch
 from megapack.bench.gpu import compile_failure as compile_module
 from megapack.bench.gpu import devices, kit, profile
 from megapack.bench.gpu.compile_failure import compile_failure
-from megapack.bench.gpu.kit import SECTIONS, SPLIT, estimate_s, listing, parse_sections
+from megapack.bench.gpu.kit import (
+    GUESSED,
+    KIT,
+    PLANS,
+    RUNNERS,
+    SECTIONS,
+    SPLIT,
+    default_backend,
+    estimate_s,
+    listing,
+    parse_sections,
+)
 from megapack.bench.gpu.profile import is_python_function, summarize_events
 from megapack.bench.gpu.report import Check
-from megapack.bench.gpu.sizes import KIT_TARGET_S
+from megapack.bench.gpu.sizes import FIRST_RUN_S, KIT_TARGET_S
 from megapack.bench.gpu.syncs import SYNC_TARGET, _guarded, sync_target
 
 CPU = torch.device("cpu")
@@ -160,11 +172,18 @@ def test_cudnn_versions(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # -- sections ---------------------------------------------------------------------------------------
 def test_sections_parse_in_the_kits_order() -> None:
-    assert parse_sections(None) == tuple(SECTIONS)
+    assert parse_sections(None) == KIT  # the whole kit: the first run's sections are not in it
+    assert KIT == ("attention", "losses", "syncs", "throughput", "profile", "graph")
     assert parse_sections("graph,attention") == ("attention", "graph")
+    assert parse_sections("graph-launch,smoke,throughput-4k") == (
+        "smoke",
+        "throughput-4k",
+        "graph-launch",
+    )
     assert parse_sections(" throughput ,") == ("throughput",)
     with pytest.raises(
-        ValueError, match="unknown section 'throughputs'; choose from attention, losses"
+        ValueError,
+        match="unknown section 'throughputs'; choose from smoke, attention, attention-rows",
     ):
         parse_sections("throughputs")
     with pytest.raises(ValueError, match="name at least one section"):
@@ -173,9 +192,9 @@ def test_sections_parse_in_the_kits_order() -> None:
 
 def test_the_whole_kit_fits_two_runs_of_six_minutes() -> None:
     flat = [s for run in SPLIT for s in run]
-    assert sorted(flat) == sorted(SECTIONS)  # every section in exactly one run
+    assert sorted(flat) == sorted(KIT)  # every section of the kit in exactly one run
     assert all(estimate_s(run) <= KIT_TARGET_S for run in SPLIT)
-    assert estimate_s(tuple(SECTIONS)) > KIT_TARGET_S  # hence the split
+    assert estimate_s(KIT) > KIT_TARGET_S  # hence the split
     assert estimate_s(("attention",)) == SECTIONS["attention"][0]  # no model for it
     assert estimate_s(("syncs",)) == SECTIONS["syncs"][0] + kit.MODEL_S
     text = listing()
@@ -186,7 +205,7 @@ def test_the_run_time_target(capsys: pytest.CaptureFixture[str]) -> None:
     one = kit._time_check(300.0, ("throughput", "profile"), True, "")
     assert (one.status, one.detail) == ("passed", "300 s for throughput, profile")
     assert kit._time_check(400.0, ("throughput",), True, "").status == "failed"
-    every = kit._time_check(500.0, tuple(SECTIONS), True, "")
+    every = kit._time_check(500.0, KIT, True, "")
     assert (
         every.status == "info" and "--only throughput,profile and --only attention" in every.detail
     )
@@ -194,3 +213,55 @@ def test_the_run_time_target(capsys: pytest.CaptureFixture[str]) -> None:
     assert kit.main(["--list"]) == 0 and "the whole kit in two runs" in capsys.readouterr().out
     assert kit.main(["--only", "speed", "--dry-run"]) == 2
     assert "unknown section 'speed'" in capsys.readouterr().err
+
+
+# -- the first-run plan ------------------------------------------------------------------------------
+def test_the_first_run_plan_is_one_run_of_five_minutes_in_order() -> None:
+    plan = PLANS["first-run"]
+    assert plan.sections == ("smoke", "attention-rows", "throughput-4k", "graph-launch")
+    assert parse_sections(",".join(reversed(plan.sections))) == plan.sections  # the kit's order
+    assert plan.limit_s == FIRST_RUN_S == 300.0
+    # the estimate leaves room for the ~20 s start and for guesses that are too low
+    assert estimate_s(plan.sections) + kit.START_S <= 0.8 * plan.limit_s
+    assert set(plan.sections) <= GUESSED  # none of them has run on a GPU: their estimates say so
+    assert set(RUNNERS) == set(SECTIONS)  # every section has its code
+    text = listing()
+    assert (
+        "--plan first-run  (~195 s of its 300 s target: smoke, attention-rows, throughput-4k, graph-launch)"
+        in text
+    )
+    assert all(f"{name:<14} ~" in text for name in SECTIONS)
+    assert "smoke          ~  40 s guess" in text and "attention      ~  40 s       " in text
+
+
+def test_the_first_run_time_target() -> None:
+    ok = kit._time_check(290.0, PLANS["first-run"].sections, True, "", "first-run")
+    assert (ok.name, ok.status) == ("target: the first-run plan within 5 minutes", "passed")
+    late = kit._time_check(301.0, PLANS["first-run"].sections, True, "", "first-run")
+    assert late.status == "failed" and late.detail.startswith("301 s for smoke, attention-rows")
+
+
+def test_plan_and_only_are_exclusive_and_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    assert kit.main(["--plan", "first-run", "--only", "smoke", "--dry-run"]) == 2
+    assert "give --plan or --only, not both" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        kit.main(["--plan", "second-run", "--dry-run"])
+    assert stop.value.code == 2 and "invalid choice: 'second-run'" in capsys.readouterr().err
+
+
+def test_the_first_run_trains_cudnn_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megapack.attention import choice
+
+    cuda = torch.device("cuda", 0)
+    assert default_backend(None, cuda, torch.bfloat16) == ("auto", "the default")
+    backend, why = default_backend("first-run", CPU, torch.float32)
+    assert backend == "auto" and why.endswith("cudnn is unavailable here: cudnn runs on CUDA only")
+    monkeypatch.setattr(choice, "installed_here", lambda: choice.Installed(
+        cuda=True, flash_attn=False, te=False, varlen=None, flex=True, cudnn_frontend=True,
+        cudnn_version=91900, sm=90))  # fmt: skip
+    assert default_backend("first-run", cuda, torch.bfloat16)[0] == "cudnn"
+    old = choice.Installed(cuda=True, flash_attn=False, te=False, varlen=None, flex=True,
+                           cudnn_frontend=True, cudnn_version=91900, sm=80)  # fmt: skip
+    monkeypatch.setattr(choice, "installed_here", lambda: old)
+    backend, why = default_backend("first-run", cuda, torch.bfloat16)
+    assert backend == "auto" and "needs sm90 or newer, this GPU is sm80" in why

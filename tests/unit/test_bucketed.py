@@ -46,9 +46,73 @@ def test_a_delivered_plan_gives_the_same_result_without_reading_the_host() -> No
     q, k, v = (torch.randn(40, h, 8, generator=g) for h in (4, 2, 2))
     host = Documents(cu, cu, 27, 40)
     delivered = Documents(cu, cu, 27, 40)
-    delivered.buckets = tuple(torch.from_numpy(b) for b in plan_buckets(cu.tolist()))
+    delivered.buckets = tuple(torch.from_numpy(b) for b in plan_buckets(cu.tolist(), total=40))
     with host_reads() as reads:
         got = KERNELS["bucketed"](q, k, v, delivered, 0.3, 0.0)
     assert reads.by_module() == {}, reads.report()
     torch.testing.assert_close(got, KERNELS["bucketed"](q, k, v, host, 0.3, 0.0))
     torch.testing.assert_close(got, KERNELS["sdpa"](q, k, v, Documents(cu, cu, 27, 40), 0.3, 0.0))
+
+
+# ---- boundaries that end before T (issue 48) ---------------------------------------------------
+
+TAILS = {  # total T, real boundaries, buffer boundaries: the last boundary below T
+    "T40-ends-at-30": (40, [0, 7, 19, 30], None),
+    "T32-padded-zero-length-ends-at-24": (32, [0, 5, 5, 14], [0, 8, 8, 24]),
+}
+
+
+def tail_run(case: str, plan: str, tail: str) -> tuple[torch.Tensor, ...]:
+    """bucketed's (out, dq, dk, dv), float64, 4 query / 2 KV heads; ``plan``: "host" (made from
+    the boundaries), "delivered" (marked with T) or "last-boundary" (a trainer's plan marked with
+    the last boundary); ``tail``: what the positions past the last boundary hold."""
+    total, real, buffer = TAILS[case]
+    end = (buffer or real)[-1]
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(total, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    grad = torch.randn(total, 4, 8, generator=g, dtype=torch.float64)
+    for x in (q, k, v):
+        x[end:] = {"random": x[end:], "huge": 1e6, "nan": float("nan")}[tail]
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    cu = torch.tensor(real, dtype=torch.int32)
+    pad = cu if buffer is None else torch.tensor(buffer, dtype=torch.int32)
+    docs = Documents(cu, pad, int(pad.diff().max()), total)
+    if plan != "host":
+        sentinel = total if plan == "delivered" else end
+        planned = plan_buckets(pad.tolist(), None if buffer is None else real, total=sentinel)
+        docs.buckets = tuple(torch.from_numpy(b) for b in planned)
+    out = KERNELS["bucketed"](q, k, v, docs, 0.35, 0.0)
+    out.backward(grad)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def tail_reference(case: str) -> tuple[torch.Tensor, ...]:
+    total, real, buffer = TAILS[case]
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(total, h, 8, generator=g, dtype=torch.float64).requires_grad_()
+               for h in (4, 2, 2))  # fmt: skip
+    grad = torch.randn(total, 4, 8, generator=g, dtype=torch.float64)
+    cu = torch.tensor(real, dtype=torch.int32)
+    pad = cu if buffer is None else torch.tensor(buffer, dtype=torch.int32)
+    out = KERNELS["sdpa"](q, k, v, Documents(cu, pad, int(pad.diff().max()), total), 0.35, 0.0)
+    out.backward(grad)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("tail", ["random", "huge", "nan"])
+@pytest.mark.parametrize("plan", ["host", "delivered", "last-boundary"])
+@pytest.mark.parametrize("case", list(TAILS))
+def test_boundaries_ending_before_t_give_the_reference_and_a_zero_tail(
+    case: str, plan: str, tail: str
+) -> None:
+    """Padding slots marked with the last boundary aliased a real tail position (issue 48): the
+    tail's outputs and gradients were not zero and the real positions' K/V gradients were off the
+    per-document reference and moved with the tail's contents. Whatever the tail holds (NaN
+    included) and whichever sentinel a delivered plan used, the real positions now equal the
+    reference and the tail is exactly zero."""
+    end = (TAILS[case][2] or TAILS[case][1])[-1]
+    got = tail_run(case, plan, tail)
+    want = tail_reference(case)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert torch.equal(a[end:], torch.zeros_like(a[end:])), f"{name} past the last boundary"
+        torch.testing.assert_close(a[:end], b[:end], rtol=1e-12, atol=1e-12, msg=name)

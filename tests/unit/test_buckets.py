@@ -30,7 +30,7 @@ CPU = megapack.Topology.single(torch.device("cpu"))
 
 
 def test_worked_example_from_the_module_docstring() -> None:
-    (bucket,) = plan_buckets([0, 3, 8, 10, 16])
+    (bucket,) = plan_buckets([0, 3, 8, 10, 16], total=16)
     s = 16
     assert bucket.dtype == np.int32 and bucket.tolist() == [
         [0, 1, 2, s, s, s, s, s],
@@ -57,13 +57,13 @@ def test_padded_boundaries_and_zero_length_documents() -> None:
     assert bucket.tolist() == [[0, 1, 2, 16, 16, 16, 16, 16], [8, 9, 16, 16, 16, 16, 16, 16]]
     assert plan_buckets([0, 0, 0], total=0) == []  # nothing real: no bucket
     with pytest.raises(ValueError, match="cu_seqlens has 3 entries but cu_seqlens_padded 4"):
-        plan_buckets([0, 4, 8, 16], [0, 3, 5])
+        plan_buckets([0, 4, 8, 16], [0, 3, 5], total=16)
 
 
 def test_more_classes_than_buckets_merge_the_cheapest_neighbours() -> None:
     lengths = [8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 2000]
     cu = np.concatenate([[0], np.cumsum(lengths)])
-    buckets = plan_buckets(cu)
+    buckets = plan_buckets(cu, total=int(cu[-1]))
     assert len(buckets) == MAX_BUCKETS
     assert buckets[-1].shape == (1, length_class(2000))  # the long document is never merged down
     sizes = [b.shape[1] for b in buckets]
@@ -101,7 +101,7 @@ def test_get_batch_delivers_the_plan_on_the_params_when_declared() -> None:
     plain = megapack.get_batch_on_this_tp_rank(iter([batch]), topology=CPU)
     assert getattr(plain["packed_seq_params"], BUCKETS_ATTR, None) is None
     out = megapack.get_batch_on_this_tp_rank(iter([batch]), topology=CPU, fields=BUCKET_FIELDS)
-    want = plan_buckets(batch.cu_seqlens.tolist())
+    want = plan_buckets(batch.cu_seqlens.tolist(), total=128)
     got = getattr(out["packed_seq_params"], BUCKETS_ATTR)
     assert [b.tolist() for b in got] == [b.tolist() for b in want]
     assert [out[n] is None for n in BUCKET_NAMES] == [i >= len(want) for i in range(MAX_BUCKETS)]
@@ -156,4 +156,39 @@ def test_merging_follows_the_rule_counts_included() -> None:
         cu = np.concatenate([[0], np.cumsum(lengths)])
         most = int(rng.integers(1, MAX_BUCKETS + 1))
         want = merged_by_the_rule(length_classes(lengths).tolist(), most)
-        assert [b.shape[1] for b in plan_buckets(cu, max_buckets=most)] == want, lengths.tolist()
+        got = [b.shape[1] for b in plan_buckets(cu, total=int(cu[-1]), max_buckets=most)]
+        assert got == want, lengths.tolist()
+
+
+def test_the_sentinel_is_t_never_the_last_boundary() -> None:
+    """issue 48: a plan marked with the last boundary aliases a real position where the boundaries
+    end before T (position 30 of a 40-token row): the sentinel must be T, and is required."""
+    slots = np.concatenate([b.reshape(-1) for b in plan_buckets([0, 7, 19, 30], total=40)])
+    assert sorted(slots[slots < 30].tolist()) == list(range(30))
+    assert set(slots[slots >= 30].tolist()) == {40}
+    with pytest.raises(TypeError, match="total"):
+        plan_buckets([0, 7, 19, 30])  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="total=20 is below the last boundary 30"):
+        plan_buckets([0, 7, 19, 30], total=20)
+
+
+def test_with_bucket_plan_marks_padding_with_the_rows_token_count() -> None:
+    values = {"cu_seqlens": torch.tensor([0, 3, 5]), "cu_seqlens_padded": None,
+              "tokens": torch.zeros(1, 9, dtype=torch.int64)}  # fmt: skip
+    assert out_first(values)[0] == [0, 1, 2, 9, 9, 9, 9, 9]
+    values["tokens"] = None  # no tokens at all: the next token grid gives T
+    values["labels"] = torch.zeros(1, 12, dtype=torch.int64)
+    assert out_first(values)[0] == [0, 1, 2, 12, 12, 12, 12, 12]
+
+
+def out_first(values: dict) -> list[list[int]]:
+    return with_bucket_plan(values)[BUCKET_NAMES[0]].tolist()
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    from megapack.core import buckets
+
+    result = doctest.testmod(buckets)
+    assert result.attempted >= 6 and result.failed == 0

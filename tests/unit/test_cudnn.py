@@ -1,7 +1,8 @@
 """The cudnn backend's host side (megapack.attention.cudnn): shape classes, the per-micro-batch
 offsets, the graphs megapack describes to cuDNN (checked against the installed frontend's own
 signatures, on CPU), the reasons it cannot run, and ``auto``'s fallback when a graph cannot be
-built. Running the graphs needs an sm90 GPU: the kit (scripts/gpu_check.sh) does that."""
+built. The graphs executed by a CPU stand-in for cuDNN's runtime: test_cudnn_standin.py; on an
+sm90 GPU: the kit (scripts/gpu_check.sh)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from megapack.attention.cudnn import (
     batch_class,
     offsets_of,
     seqlen_class,
+    shape_of,
     unavailable,
 )
-from megapack.attention.cudnn_graph import UIDS, describe, frontend
+from megapack.attention.cudnn_graph import FORWARD, UIDS, describe, frontend, max_tokens_class
 from megapack.attention.documents import Documents
 from megapack.attention.kernels import KERNELS, attend
 from megapack.attention.varlen import VarlenForm
@@ -39,7 +41,8 @@ def hopper(**changes: object) -> Installed:
 
 def shape(**changes: object) -> GraphShape:
     base = {"batch": 4, "seqlen": 64, "heads": 4, "groups": 2, "dim": 64, "dim_v": 64,
-            "total": 16, "dtype": BF16, "scale": 0.125, "device": 0, "deterministic": False}  # fmt: skip
+            "max_tokens": 64, "dtype": BF16, "scale": 0.125, "device": torch.device("cuda", 0),
+            "deterministic": False}  # fmt: skip
     return GraphShape(**{**base, **changes})  # type: ignore[arg-type]
 
 
@@ -67,7 +70,10 @@ def test_offsets_worked_example_padding_gqa_and_extra_documents() -> None:
     assert off.q.flatten().tolist() == [0, 128, 256, 256, 256]  # buffer x 4 heads x 8
     assert off.kv.flatten().tolist() == [0, 64, 128, 128, 128]  # x 2 groups x 8
     assert off.o is off.q and off.v is off.kv
-    assert off.lengths.dtype == torch.int32 and off.lengths.flatten().tolist() == [3, 2, 0, 0]
+    for lengths in (off.lengths_q, off.lengths_kv):
+        assert lengths.dtype == torch.int32 and lengths.shape == (4, 1, 1, 1)
+        assert lengths.flatten().tolist() == [3, 2, 0, 0]
+    assert off.lengths_kv.data_ptr() != off.lengths_q.data_ptr()  # seq_len_q / _kv: two tensors
     assert offsets_of(docs, shape(batch=4, heads=4, groups=2, dim=8, dim_v=8)) is off  # memo
     wide_v = offsets_of(docs, shape(batch=2, heads=4, groups=2, dim=8, dim_v=16))
     assert wide_v.v.flatten().tolist() == [0, 128, 256] and wide_v.o.flatten().tolist() == [
@@ -166,7 +172,7 @@ needs_frontend = pytest.mark.skipif(
 
 def _backend_parameters(op: str) -> set[str]:
     """The keyword names the installed frontend's C++ builder takes for ``op``."""
-    doc = getattr(frontend()._pybind_module.backend_graph, op).__doc__
+    doc = getattr(frontend().module._pybind_module.backend_graph, op).__doc__
     header = doc.split("\n", 1)[0]
     return set(re.findall(r"(\w+): ", header)) - {"self"}
 
@@ -176,8 +182,8 @@ def _backend_parameters(op: str) -> set[str]:
 def test_described_graphs_use_the_frontends_own_parameters(kind: str) -> None:
     """The graph as megapack asks for it: ragged [B, H, S, D] views of THD tensors, padding mask
     of real lengths, causal (top-left, right bound 0), every kwarg one the frontend defines."""
-    module = frontend()
-    s = shape(batch=8, seqlen=128, heads=16, groups=4, dim=128, dim_v=128, total=1024)
+    module = frontend().module
+    s = shape(batch=8, seqlen=128, heads=16, groups=4, dim=128, dim_v=128, max_tokens=1024)
     graph, uids = describe(module, kind, s, handle=None)
     (node,) = graph.nodes
     op = "sdpa" if kind == "forward" else "sdpa_backward"
@@ -185,35 +191,65 @@ def test_described_graphs_use_the_frontends_own_parameters(kind: str) -> None:
     params = node.params
     assert params["use_padding_mask"] is True and params["diagonal_band_right_bound"] == 0
     assert params["diagonal_alignment"] == module.diagonal_alignment.TOP_LEFT
-    assert params["max_total_seq_len_q"] == 1024 and params["attn_scale"] == 0.125
+    assert params["attn_scale"] == 0.125
     q = node.inputs["q"]
     assert q.dim == [8, 16, 128, 128] and q.stride == [128 * 16 * 128, 128, 16 * 128, 1]
     assert q.ragged_offset.uid == UIDS["q_offsets"] and q.ragged_offset.dim == [9, 1, 1, 1]
     k = node.inputs["k"]
     assert k.dim == [8, 4, 128, 128] and k.stride == [128 * 4 * 128, 128, 4 * 128, 1]
-    assert node.inputs["seq_len_q"].uid == UIDS["lengths"] and node.inputs["seq_len_q"].dim == [
-        8,
-        1,
-        1,
-        1,
-    ]
+    for name in ("seq_len_q", "seq_len_kv"):  # two tensors, as TE and the frontend's samples
+        lengths = node.inputs[name]
+        assert lengths.uid == UIDS[name.replace("seq_len", "lengths")]
+        assert lengths.dim == [8, 1, 1, 1] and lengths.data_type == module.data_type.INT32
     # per-document lengths (every cuDNN >= 9.6), not cu_seq_len_q (cuDNN 9.24+ only)
     assert "cu_seq_len_q" not in node.inputs
     outputs = {t.uid: t for t in node.outputs.values()}
-    if kind == "forward":
+    if kind == "forward":  # max_total_seq_len sizes backward's accumulators: backward only
+        assert "max_total_seq_len_q" not in params and "max_total_seq_len_kv" not in params
         assert params["generate_stats"] is True
         assert outputs[UIDS["o"]].ragged_offset.uid == UIDS["o_offsets"]
         assert outputs[UIDS["stats"]].dim == [8, 16, 128, 1]
     else:
+        assert params["max_total_seq_len_q"] == params["max_total_seq_len_kv"] == 1024
         assert params["use_deterministic_algorithm"] is False
         assert {UIDS["dQ"], UIDS["dK"], UIDS["dV"]} <= set(outputs)
         assert outputs[UIDS["dK"]].dim == [8, 4, 128, 128]
         assert node.inputs["dO"].ragged_offset.uid == UIDS["o_offsets"]
-    assert set(uids) == set(UIDS)
+    assert set(uids) == set(FORWARD) | ({"dO", "dQ", "dK", "dV"} if kind == "backward" else set())
+    assert {t.uid for t in (*node.inputs.values(), *node.outputs.values())} <= set(uids.values())
 
 
 @needs_frontend
 def test_the_frontend_is_the_pinned_release() -> None:
     from megapack.attention.cudnn import FRONTEND_PIN
 
-    assert frontend().__version__ == FRONTEND_PIN
+    assert frontend().module.__version__ == FRONTEND_PIN
+
+
+def test_max_total_seq_len_is_t_rounded_up_to_64_as_the_frontends_tests_do() -> None:
+    """issue 48: the exact T was passed; the frontend's ragged tests use max(64, ceil64(T))."""
+    for total, want in ((1, 64), (40, 64), (64, 64), (65, 128), (100, 128), (14398, 14400)):
+        assert max_tokens_class(total) == want
+        assert want == max(64, ((total + 63) // 64) * 64)  # test/python/sdpa/fp16.py's rule
+    docs = Documents(torch.tensor([0, 30, 40]), torch.tensor([0, 30, 40]), 30, 40)
+    q, kv = torch.zeros(40, 16, 128), torch.zeros(40, 4, 128)
+    assert shape_of(docs, q, kv, kv, 0.1).max_tokens == 64
+
+
+@needs_frontend
+def test_the_backward_graph_asks_for_the_rounded_token_count() -> None:
+    graph, _ = describe(
+        frontend().module, "backward", shape(max_tokens=max_tokens_class(100)), None
+    )
+    (node,) = graph.nodes
+    assert node.params["max_total_seq_len_q"] == node.params["max_total_seq_len_kv"] == 128
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    from megapack.attention import cudnn, cudnn_graph
+
+    for module in (cudnn, cudnn_graph):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

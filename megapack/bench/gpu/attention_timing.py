@@ -18,12 +18,15 @@ import torch
 
 from megapack.bench.gpu.checks import dtype_name
 from megapack.bench.gpu.report import Check, Status
+from megapack.bench.gpu.targets import CUDNN_OVER_VARLEN, FLEX_OVER_VARLEN
 
-FLEX_OVER_VARLEN = 1.5
-"""Target: flex's fwd+bwd time at most this many times torch_varlen's on the timed row."""
-CUDNN_OVER_VARLEN = 0.55
-"""Target: cuDNN's THD attention fwd+bwd at most this many times torch_varlen's (on an H200,
-cuDNN's sm90 kernels ran ~2.1x varlen's FlashAttention 2 per FLOP: 0.48x its time)."""
+__all__ = [
+    "CUDNN_OVER_VARLEN",
+    "FLEX_OVER_VARLEN",
+    "attention_timing",
+    "cudnn_target",
+    "flex_target",
+]
 
 
 def attention_timing(

@@ -247,7 +247,7 @@ def check_backend(
         padding = _padding_mask(cu_real, cu_buffer, device)
         for key, (value, want) in pairs.items():
             bound = tolerance["out" if key == "out" else "grad"]
-            problem, error = _compare(value, want, padding, bound)
+            problem, error = compare_to_reference(value, want, padding, bound)
             if error is not None:
                 worst[key] = max(worst.get(key, 0.0), error)
             if problem:
@@ -267,10 +267,12 @@ def check_backend(
     )
 
 
-def _compare(
+def compare_to_reference(
     value: torch.Tensor | None, want: torch.Tensor | None, padding: torch.Tensor, bound: float
 ) -> tuple[str, float | None]:
-    """(what is wrong or "", relative L2 error) of ``value`` against the float64 ``want``."""
+    """(what is wrong or "", relative L2 error) of ``value`` against the float64 ``want``: wrong
+    when its shape differs, it holds NaN or inf, its error exceeds ``bound``, or it is not exactly
+    0 where ``padding`` is True."""
     if value is None or want is None or value.shape != want.shape:
         shapes = [None if x is None else tuple(x.shape) for x in (value, want)]
         return f"has shape {shapes[0]}, want {shapes[1]}", None
@@ -280,7 +282,7 @@ def _compare(
     if error > bound:
         return f"relative error {error:.2e}", error
     if padding.any() and value[padding].abs().max().item() != 0:
-        return "is not 0 at alignment padding", error
+        return "is not 0 where no token is (alignment padding, past the last boundary)", error
     return "", error
 
 

@@ -16,9 +16,9 @@ one (the targets):
    same pack (FA2's backward accumulates with atomics), or `FLOOR`. Then `OPTIMIZER_STEPS` steps
    with learning rates: the parameters after the replayed steps against the eager ones, within
    eager's own spread (from a rerun from the same state). Times: the median replayed step
-   against the median eager step (target <= `REPLAY_TARGET` x on the launch-bound model); 0
-   synchronizing calls in `SYNC_REPLAYS` replays (set_lr, load, replay) under
-   ``torch.cuda.set_sync_debug_mode("error")``, after its positive control;
+   against the median eager step (target <= `megapack.bench.gpu.targets.REPLAY_TARGET` x on
+   the launch-bound model); 0 synchronizing calls in `SYNC_REPLAYS` replays (set_lr, load,
+   replay) under ``torch.cuda.set_sync_debug_mode("error")``, after its positive control;
 3. packed + whole-step graphs against the eager length-grouped baseline (`graph_grouped.py`).
 
 Without CUDA (the dry run) the eager half runs at toy size and the capture is skipped, saying so.
@@ -50,8 +50,6 @@ SYNC_REPLAYS = 3
 """Replays run under the sync detector."""
 CAP_SHARE = 0.99
 """The cap keeps this share of the uncapped plan's rows, and this share of its micro-batches fits."""
-REPLAY_TARGET = 0.5
-"""Target: a replayed whole step <= this x eager's, on the launch-bound model."""
 FLOOR = 1e-6
 """A difference this small passes even when eager agrees with itself exactly (rounding)."""
 LAUNCH_BOUND = GptShape(
@@ -135,12 +133,16 @@ def _loss(batch: dict[str, Any], per_token: torch.Tensor) -> tuple[Any, ...]:
     return total, count, report
 
 
-def twin_models(shape: GptShape, device: torch.device, dtype: torch.dtype, seq_len: int) -> Any:
-    """Two copies of the kit's GPT with the same weights, per-token loss on."""
+def twin_models(
+    shape: GptShape, device: torch.device, dtype: torch.dtype, seq_len: int, backend: str = "auto"
+) -> Any:
+    """Two copies of the kit's GPT with the same weights, per-token loss on, THD attention
+    ``backend`` in every layer."""
     from megatron.core.utils import get_model_config
 
-    first = build_gpt(shape, device=device, dtype=dtype, max_sequence_length=seq_len)
-    second = build_gpt(shape, device=device, dtype=dtype, max_sequence_length=seq_len)
+    build = functools.partial(build_gpt, shape, device=device, dtype=dtype,
+                              max_sequence_length=seq_len, backend=backend)  # fmt: skip
+    first, second = build(), build()
     second.load_state_dict(first.state_dict())
     for m in (first, second):
         get_model_config(m).calculate_per_token_loss = True
@@ -173,8 +175,10 @@ def compare_replay(
     label: str,
     target: float | None,
     steps: int = PACKS,
+    backend: str = "auto",
 ) -> list[Check]:
-    """Step 2 of the module docstring on a fresh pair of ``shape`` models."""
+    """Step 2 of the module docstring on a fresh pair of ``shape`` models (THD attention
+    ``backend``)."""
     from megapack import StaticShape, Topology, get_batch_on_this_tp_rank
     from megapack.core.static import segments_for
 
@@ -195,7 +199,7 @@ def compare_replay(
         f"AdamW, clip) replayed over {steps} packs"
     )
     cuda = device.type == "cuda"
-    model_g, model_e = twin_models(shape, device, dtype, seq_len)
+    model_g, model_e = twin_models(shape, device, dtype, seq_len, backend)
     eager = make_step(model_e, device, static, MICRO_BATCHES, "eager")
     graph = make_step(model_g, device, static, MICRO_BATCHES, "graph" if cuda else "eager")
     worst = {"eager loss": 0.0, "eager grad": 0.0, "replay loss": 0.0, "replay grad": 0.0}

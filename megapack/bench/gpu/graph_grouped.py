@@ -18,7 +18,7 @@ ways:
 The documents are those of whole micro-batches of a capped plan (``max_documents=cap``, so every
 micro-batch fits the static shape: no fallback, no filler row); grouped lays out exactly those.
 The ratio is grouped's median step over packed + graph's (the same tokens, so real tokens/s):
-target >= `VS_GROUPED_TARGET` on the launch-bound model, reported on the preset. What packing
+target >= `megapack.bench.gpu.targets.VS_GROUPED_TARGET` on the launch-bound model, reported on the preset. What packing
 pays for it: the capped plan's extra rows and each row's trailing padding, both in the detail.
 """
 
@@ -36,9 +36,6 @@ from megapack.bench.gpu.graph import WARMUP, kit_forward_step, make_step, timed,
 from megapack.bench.gpu.model import GptShape
 from megapack.bench.gpu.report import Check
 
-VS_GROUPED_TARGET = 1.05
-"""Target: packed + whole-step graphs >= this x the eager grouped baseline, launch-bound model."""
-
 
 def packed_graph_vs_grouped(
     shape: GptShape,
@@ -52,8 +49,10 @@ def packed_graph_vs_grouped(
     label: str,
     target: float | None,
     steps: int,
+    backend: str = "auto",
 ) -> list[Check]:
-    """The three timings of the module docstring; ``steps`` timed steps each after warm-up."""
+    """The three timings of the module docstring; ``steps`` timed steps each after warm-up; THD
+    attention ``backend`` (the grouped baseline is padded: dense attention whatever it is)."""
     from megapack import StaticShape, Topology, get_batch_on_this_tp_rank
     from megapack.bench.modes import micro_batches
     from megapack.core.batch import PackedBatch
@@ -84,7 +83,7 @@ def packed_graph_vs_grouped(
         for b in micro_batches("grouped", used, seq_len, rows)
     ]
     tokens = sum(len(d) for d in used)
-    model_p, model_q = twin_models(shape, device, dtype, seq_len)
+    model_p, model_q = twin_models(shape, device, dtype, seq_len, backend)
     cuda = device.type == "cuda"
     graph = make_step(model_p, device, static, len(packed), "graph" if cuda else "eager")
     graph.set_lr(1e-5)

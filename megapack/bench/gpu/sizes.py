@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from megapack.bench.gpu.attention_rows import AttentionRow
 from megapack.bench.gpu.model import PRESET, TOY, GptShape
+from megapack.bench.gpu.smoke import SMOKE
 from megapack.bench.gpu.throughput import ThroughputSizes
 
 
@@ -35,7 +37,22 @@ class KitSizes:
     """Side of the square matmul that measures the ceiling."""
     budget_s: float
     """Seconds from the throughput section's start after which no further configuration starts."""
+    smoke_shape: GptShape
+    """The smoke section's toy GPT (`megapack.bench.gpu.smoke.SMOKE` on a GPU)."""
+    smoke_seq_len: int
+    """Its row length (a micro-batch: ``throughput.rows`` rows)."""
+    attention_rows: tuple[AttentionRow, ...]
+    """The attention-rows section's rows: the timed row first (the cuDNN target reads it)."""
+    first_throughput: ThroughputSizes
+    """The throughput-4k section's sizes: OpenChat at one row length, packed against grouped."""
+    first_budget_s: float
+    """Its deadline: seconds from its start after which no configuration starts."""
+    graph_packs: int
+    """Packs the graph-launch section replays and compares with eager (the graph section: 20)."""
 
+
+TIMED_ROW = (2048, 2048, 1893, 2048, 1207, 2048, 1058, 2048)
+"""The one row the attention backends are timed on: 8 documents, 14,398 tokens."""
 
 FULL = KitSizes(
     shape=PRESET,
@@ -43,7 +60,7 @@ FULL = KitSizes(
     fp32_shape=dataclasses.replace(PRESET, num_layers=4),
     attention={"heads": 16, "groups": 4, "head_dim": 128, "max_len": 4096},
     loss_lengths=(1, 7, 1500, 33, 1024, 2, 511, 900),
-    timing_lengths=(2048, 2048, 1893, 2048, 1207, 2048, 1058, 2048),  # 14,398 tokens, 8 documents
+    timing_lengths=TIMED_ROW,
     timing_repeats=20,
     throughput=ThroughputSizes(
         seq_lens=(4096, 8192),
@@ -57,10 +74,32 @@ FULL = KitSizes(
     ),
     matmul_n=8192,
     budget_s=280.0,
+    smoke_shape=SMOKE,
+    smoke_seq_len=1024,
+    attention_rows=(
+        AttentionRow(label="the timed row", lengths=TIMED_ROW),
+        AttentionRow(
+            label="the gap row", lengths=(1500, 0, 0, 2048, 1, 0, 777, 333, 0, 1024), tail=29
+        ),  # T 5,712: 89.25 x 64
+    ),
+    first_throughput=ThroughputSizes(
+        seq_lens=(4096,),
+        pool=4000,
+        step_tokens=98_304,
+        documents=64,
+        rows=2,
+        warmup=1,
+        steps=6,
+        length_scale=1.0,
+    ),
+    first_budget_s=150.0,
+    graph_packs=8,
 )
 """One GPU: the 0.84B preset at seq 4,096 and 8,192, steps from plans over 4,000 documents."""
 KIT_TARGET_S = 360.0
 """Target: one run of the kit (the sections it was asked for) within 6 minutes on the device."""
+FIRST_RUN_S = 300.0
+"""Target: the first-run plan (`megapack.bench.gpu.kit.PLANS`) within 5 minutes on the device."""
 
 DRY = KitSizes(
     shape=TOY,
@@ -82,5 +121,23 @@ DRY = KitSizes(
     ),
     matmul_n=512,
     budget_s=600.0,
+    smoke_shape=TOY,
+    smoke_seq_len=128,
+    attention_rows=(
+        AttentionRow(label="the timed row", lengths=(64, 64, 59, 64, 38, 64, 33, 64)),
+        AttentionRow(label="the gap row", lengths=(40, 0, 0, 64, 1, 0, 17, 9, 0, 23), tail=5),
+    ),
+    first_throughput=ThroughputSizes(
+        seq_lens=(128,),
+        pool=2000,
+        step_tokens=1024,
+        documents=16,
+        rows=2,
+        warmup=1,
+        steps=3,
+        length_scale=1 / 16,
+    ),
+    first_budget_s=600.0,
+    graph_packs=3,
 )
 """CPU: the same steps, toy sizes, fp32."""

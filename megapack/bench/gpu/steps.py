@@ -15,7 +15,6 @@ from megapack.bench.baselines import summarize
 from megapack.bench.gpu.checks import (
     packed_vs_padded,
 )
-from megapack.bench.gpu.graph import REPLAY_TARGET
 from megapack.bench.gpu.model import PRESET, GptShape, build_gpt, matmul_ceiling
 from megapack.bench.gpu.report import Check, Report, Status
 from megapack.bench.gpu.sizes import KitSizes
@@ -25,8 +24,8 @@ from megapack.bench.gpu.syncs import (
     sync_checks,
     sync_target,
 )
-from megapack.bench.gpu.targets import target_checks
-from megapack.bench.gpu.throughput import run_gpu_throughput, train_step
+from megapack.bench.gpu.targets import REPLAY_TARGET, VS_GROUPED_TARGET, target_checks
+from megapack.bench.gpu.throughput import MIXES, ThroughputSizes, run_gpu_throughput, train_step
 from megapack.bench.modes import FULL_MODES, MODES
 from megapack.bench.report import environment
 
@@ -177,14 +176,21 @@ def throughput_step(
     *,
     applies: bool,
     why_not: str,
+    throughput: ThroughputSizes | None = None,
+    modes: tuple[str, ...] = MODES,
+    budget_s: float | None = None,
+    label: str = "throughput",
 ) -> list[Check]:
-    """The matmul rate, packing against every baseline (`run_gpu_throughput`), the spread line
-    and the throughput targets (`target_checks`; skipped, saying ``why_not``, unless ``applies``).
-    The section's deadline is ``sizes.budget_s`` from its start."""
+    """The matmul rate, packing against the baselines of ``modes`` (`run_gpu_throughput`, at
+    ``throughput``'s sizes, default ``sizes.throughput``, on ``mixes``), the spread line and the
+    throughput targets of what ran (`target_checks`; skipped, saying ``why_not``, unless
+    ``applies``). The deadline is ``budget_s`` (default ``sizes.budget_s``) from the start; the
+    first check is named ``label``."""
     import time
 
     from megapack import Topology
 
+    t = throughput or sizes.throughput
     start = time.perf_counter()
     matmul = matmul_ceiling(device, sizes.dtype, n=sizes.matmul_n)
     report.notes.append(
@@ -195,15 +201,17 @@ def throughput_step(
     rows = run_gpu_throughput(
         state["model"],
         sizes.shape,
-        sizes.throughput,
+        t,
         mixes,
         topology=Topology.single(device),
-        deadline=start + sizes.budget_s,
+        deadline=start + (sizes.budget_s if budget_s is None else budget_s),
         seed=seed,
+        modes=modes,
     )
-    report.details = rows
-    report.throughput = summarize(rows, peak_flops=peak, matmul_flops=matmul)
-    t = sizes.throughput
+    summary = summarize(rows, peak_flops=peak, matmul_flops=matmul)
+    report.details += rows
+    report.throughput += summary
+    ran_mixes = tuple(m for m in MIXES if m in mixes)
     cannot = [r for r in rows if str(r.get("detail", "")).startswith("cannot compile here")]
     bad = [
         f"{r['mix']} seq {r['seq_len']} {r['mode']}: {r['status']}: {r['detail']}"
@@ -214,13 +222,14 @@ def throughput_step(
     done = sum(r["status"] == "ok" for r in rows)
     what = (
         f"{done} of {len(rows)} mode runs: seq {', '.join(map(str, t.seq_lens))} x "
-        f"{len(mixes)} mixes x {len(MODES)} modes interleaved, {t.rows} rows per micro-batch, "
+        f"{len(ran_mixes)} mix{'es' if len(ran_mixes) > 1 else ''} ({', '.join(ran_mixes)}) x "
+        f"{len(modes)} modes ({', '.join(modes)}) interleaved, {t.rows} rows per micro-batch, "
         f"steps of {t.step_tokens:,} packed token slots from plans over {t.pool:,} documents, "
         f"{t.steps} timed rounds after {t.warmup} warm-up"
     )
     checks = [
         Check(
-            name="throughput",
+            name=label,
             status="failed" if bad else "passed",
             detail=(what + "; " + "; ".join(bad)) if bad else what,
         )
@@ -234,11 +243,7 @@ def throughput_step(
         checks.append(
             Check(name="throughput: modes not run", status="skipped", detail="; ".join(skipped))
         )
-    noisy = [
-        f"{e['config']} vs {e['baseline']} ({e['spread']:.0%})"
-        for e in report.throughput
-        if e["noisy"]
-    ]
+    noisy = [f"{e['config']} vs {e['baseline']} ({e['spread']:.0%})" for e in summary if e["noisy"]]
     checks.append(
         Check(
             name="throughput spread: ratios whose (max - min) / median exceeds 10% "
@@ -247,9 +252,8 @@ def throughput_step(
             detail=("NOISY: " + "; ".join(noisy)) if noisy else "none: every ratio within 10%",
         )
     )
-    checks += target_checks(
-        report.throughput, seq_lens=t.seq_lens, applies=applies, why_not=why_not
-    )
+    checks += target_checks(summary, seq_lens=t.seq_lens, applies=applies, why_not=why_not,
+                            mixes=ran_mixes, ceiling="ceiling" in modes)  # fmt: skip
     return checks
 
 
@@ -304,16 +308,25 @@ def profile_modes(
 
 
 def graph_step(
-    sizes: KitSizes, device: torch.device, state: dict[str, Any], lengths: list[int], seed: int
+    sizes: KitSizes,
+    device: torch.device,
+    state: dict[str, Any],
+    lengths: list[int],
+    seed: int,
+    *,
+    launch_only: bool = False,
+    packs: int | None = None,
+    backend: str = "auto",
 ) -> list[Check]:
     """The captured whole training step (`megapack.bench.gpu.graph`, `graph_grouped`): the cap
-    from OpenChat; then, on fresh copies of the kit's model (reported) and of a launch-bound one
-    (the targets), replay against eager (losses, every gradient, AdamW's result, 0 syncs, time)
-    and packed + whole-step graphs against eager length-grouped padding."""
+    from OpenChat; then, on fresh copies of the kit's model (reported; not with ``launch_only``)
+    and of a launch-bound one (the targets), replay against eager over ``packs`` packs (default
+    `megapack.bench.gpu.graph.PACKS`; losses, every gradient, AdamW's result, 0 syncs, time) and
+    packed + whole-step graphs against eager length-grouped padding, THD attention ``backend``."""
     import numpy as np
 
     from megapack.bench.gpu.graph import LAUNCH_BOUND, PACKS, cap_check, compare_replay
-    from megapack.bench.gpu.graph_grouped import VS_GROUPED_TARGET, packed_graph_vs_grouped
+    from megapack.bench.gpu.graph_grouped import packed_graph_vs_grouped
 
     seq_len, rows = sizes.throughput.seq_lens[0], sizes.throughput.rows
     scale = sizes.throughput.length_scale
@@ -326,16 +339,17 @@ def graph_step(
     )
     short = [d[: small_seq // 2] for d in docs]
     _, small_cap = cap_check([len(d) for d in short], small_seq, rows)
-    packs = PACKS if device.type == "cuda" else 3  # the dry run: the eager half, toy-sized
+    if packs is None:
+        packs = PACKS if device.type == "cuda" else 3  # the dry run: the eager half, toy-sized
     checks = [check]
     runs = (
         (sizes.shape, docs, seq_len, cap, shape_name(sizes.shape), None, None),
         (small_shape, short, small_seq, small_cap, f"launch-bound {shape_name(small_shape)}",
          REPLAY_TARGET, VS_GROUPED_TARGET),
-    )  # fmt: skip
+    )[1 if launch_only else 0 :]  # fmt: skip
     for shape, texts, seq, c, label, replay_target, grouped_target in runs:
         common: dict[str, Any] = dict(device=device, dtype=sizes.dtype, seq_len=seq, rows=rows,
-                                      cap=c, label=label)  # fmt: skip
+                                      cap=c, label=label, backend=backend)  # fmt: skip
         checks += compare_replay(shape, texts, target=replay_target, steps=packs, **common)
         checks += packed_graph_vs_grouped(
             shape, texts, target=grouped_target, steps=sizes.throughput.steps, **common
@@ -354,7 +368,7 @@ def auto_backend(device: torch.device, dtype: torch.dtype, backend: str = "auto"
     from megapack.attention import resolve_backend
 
     if backend != "auto":
-        return f"attention {backend} (--backend)"
+        return f"attention {backend} (forced)"
     return f"attention {resolve_backend('auto', device, training=True, dtype=dtype)}"
 
 
@@ -380,11 +394,12 @@ def shape_name(shape: GptShape) -> str:
 def notes(
     sizes: KitSizes, dry_run: bool, *, sections: tuple[str, ...] = (), backend: str = "auto"
 ) -> list[str]:
-    """The report's header lines: versions (cuDNN and its frontend too), the sizes, the sections
-    run and the attention backend asked for."""
+    """The report's header lines: versions (cuDNN and its frontend too), the sizes (the narrowed
+    throughput's when only throughput-4k runs), the sections run and the attention backend."""
     env = environment(backend="none", launcher="one process")  # megatron-core's version, commit
     mcore, commit = env["megatron_core"], env["commit"]
-    t = sizes.throughput
+    narrowed = "throughput-4k" in sections and "throughput" not in sections
+    t = sizes.first_throughput if narrowed else sizes.throughput
     return [
         f"python {platform.python_version()}, megatron-core {mcore}, {versions()}, commit {commit}"
         + (", DRY RUN (CPU, toy sizes: no GPU numbers)" if dry_run else ""),
