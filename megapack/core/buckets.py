@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megapack.core.fields import BatchField
+from megapack.core.fields import GRID_NAMES, BatchField
 
 MAX_BUCKETS = 6
 """Most buckets a micro-batch is split into (one delivered field each)."""
@@ -164,8 +164,6 @@ def with_bucket_plan(values: Mapping[str, Any]) -> dict[str, Any]:
     buffer = values.get("cu_seqlens_padded")
     real = values["cu_seqlens"]
     cu_buffer = (real if buffer is None else buffer).tolist()
-    from megapack.core.rows import GRID_NAMES  # lazily: rows -> batch -> extras import this module
-
     grid = next((values[n] for n in GRID_NAMES if values.get(n) is not None), None)
     total = int(cu_buffer[-1]) if grid is None else int(grid.shape[-1])
     buckets = plan_buckets(cu_buffer, None if buffer is None else real.tolist(), total=total)

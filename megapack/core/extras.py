@@ -18,13 +18,12 @@ Worked example, documents of 3 and 2 tokens packed to seq_len 6, a per-token ``a
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from megapack.core.buckets import BUCKET_FIELDS
 from megapack.core.fields import BatchField
 
 
@@ -98,71 +97,6 @@ def check_extras(extras: Any) -> None:
             raise TypeError(
                 f"PackedBatch.extras[{name!r}] must be a torch.Tensor, got {type(value).__name__}"
             )
-
-
-def undeclared_extras(keys: Collection[str], declared: Collection[str] = ()) -> str:
-    """The error for ``PackedBatch.extras`` keys that no declaration in ``fields=`` names.
-
-    Keys of megapack's own fields (``megapack.LOSS_FIELDS``, ``megapack.BUCKET_FIELDS``) get the
-    declaration to pass, to every call that checks a batch (`megapack.get_batch_on_this_tp_rank`,
-    `megapack.lockstep_steps`, `megapack.prefetch`); any other key the hint to declare it with
-    `BatchField`. ``declared``: the names already in ``fields=``, so that the hint says to add to
-    them rather than replace them.
-
-    Example:
-        >>> print(undeclared_extras(["loss_documents", "loss_step"]))  # doctest: +NORMALIZE_WHITESPACE
-        PackedBatch.extras has undeclared keys ['loss_documents', 'loss_step']: megapack's loss
-        fields (which loss_fields=True or with_loss_fields adds): pass fields=megapack.LOSS_FIELDS
-        to get_batch_on_this_tp_rank, lockstep_steps and prefetch alike
-    """
-    hint, others = known_fields_hint(keys, declared)
-    if others:
-        which = f"each other key ({others})" if hint else "each"
-        hint += ("; " if hint else "") + (
-            f"declare {which} with fields=(megapack.BatchField(name, per, dtype, stages), ...) "
-            "or drop it"
-        )
-    return f"PackedBatch.extras has undeclared keys {sorted(keys)}: {hint}"
-
-
-def known_fields_hint(
-    keys: Collection[str], declared: Collection[str] = ()
-) -> tuple[str, list[str]]:
-    """(how to declare the ``keys`` that megapack's own declarations name, or ""; the other keys).
-
-    Example:
-        >>> hint, others = known_fields_hint(["attention_bucket_0", "adv"], declared=["old"])
-        >>> hint
-        "megapack's attention bucket plan: pass fields=(*megapack.BUCKET_FIELDS, *your_fields) to get_batch_on_this_tp_rank, lockstep_steps and prefetch alike"
-        >>> others
-        ['adv']
-    """
-    from megapack.core.loss_fields import LOSS_FIELDS  # lazily: it imports this module
-
-    known = (
-        ("megapack.LOSS_FIELDS", LOSS_FIELDS, "megapack's loss fields (which loss_fields=True "
-         "or with_loss_fields adds)"),
-        ("megapack.BUCKET_FIELDS", BUCKET_FIELDS, "megapack's attention bucket plan"),
-    )  # fmt: skip
-    found, covered = [], set()
-    for name, fields, what in known:
-        names = {f.name for f in fields}
-        if names & set(keys):
-            found.append((name, what))
-            covered |= names
-    others = sorted(set(keys) - covered)
-    if not found:
-        return "", others
-    if len(found) == 1 and not declared and not others:
-        give = f"fields={found[0][0]}"
-    else:  # the user's own fields go in the same tuple
-        give = "fields=(" + ", ".join(f"*{name}" for name, _ in found)
-        give += ", *your_fields)" if declared or others else ")"
-    what = " and ".join(what for _, what in found)
-    return (
-        f"{what}: pass {give} to get_batch_on_this_tp_rank, lockstep_steps and prefetch alike",
-        others,
-    )
 
 
 def _value(index: int, doc: Any, field: BatchField) -> torch.Tensor | None:

@@ -186,6 +186,8 @@ BUILTIN_FIELDS: tuple[BatchField, ...] = (
 BUILTIN_NAMES = frozenset(f.name for f in BUILTIN_FIELDS)
 OUTPUT_KEYS: tuple[str, ...] = (*(f.name for f in BUILTIN_FIELDS), "packed_seq_params")
 """The keys of every dict `get_batch_on_this_tp_rank` returns (plus the trainer's declared names)."""
+GRID_NAMES = ("tokens", "labels", "loss_mask", "position_ids")
+"""The per-token built-in fields of a Megatron dict, [b, s] each (THD [1, T] once packed)."""
 TOKEN_DTYPE = torch.int64
 MASK_DTYPE = torch.float32
 CU_DTYPE = torch.int32

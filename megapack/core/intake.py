@@ -20,18 +20,18 @@ redundant with ``cu_seqlens`` and dropped. A trainer's own keys travel when decl
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megapack.core.batch import PackedBatch
-from megapack.core.buckets import BUCKET_NAMES
+from megapack.core.buckets import BUCKET_FIELDS, BUCKET_NAMES
 from megapack.core.checks import check_int
-from megapack.core.extras import known_fields_hint, undeclared_extras
-from megapack.core.fields import MAX_DIMS, BatchField, Schema
-from megapack.core.rows import GRID_NAMES, grid_tensor, merge_rows
+from megapack.core.fields import GRID_NAMES, MAX_DIMS, BatchField, Schema
+from megapack.core.loss_fields import LOSS_FIELDS
+from megapack.core.rows import grid_tensor, merge_rows
 
 PLAIN_KEYS = frozenset({*GRID_NAMES, "attention_mask", "dataset_id"})
 PACKED_KEYS = PLAIN_KEYS | {"cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size"}
@@ -279,3 +279,66 @@ def _local_cp_size(value: Any) -> int | None:
             )
         value = int(value.item())
     return check_int("batch['local_cp_size']", value, minimum=1)
+
+
+def undeclared_extras(keys: Collection[str], declared: Collection[str] = ()) -> str:
+    """The error for ``PackedBatch.extras`` keys that no declaration in ``fields=`` names.
+
+    Keys of megapack's own fields (``megapack.LOSS_FIELDS``, ``megapack.BUCKET_FIELDS``) get the
+    declaration to pass, to every call that checks a batch (`megapack.get_batch_on_this_tp_rank`,
+    `megapack.lockstep_steps`, `megapack.prefetch`); any other key the hint to declare it with
+    `BatchField`. ``declared``: the names already in ``fields=``, so that the hint says to add to
+    them rather than replace them.
+
+    Example:
+        >>> print(undeclared_extras(["loss_documents", "loss_step"]))  # doctest: +NORMALIZE_WHITESPACE
+        PackedBatch.extras has undeclared keys ['loss_documents', 'loss_step']: megapack's loss
+        fields (which loss_fields=True or with_loss_fields adds): pass fields=megapack.LOSS_FIELDS
+        to get_batch_on_this_tp_rank, lockstep_steps and prefetch alike
+    """
+    hint, others = known_fields_hint(keys, declared)
+    if others:
+        which = f"each other key ({others})" if hint else "each"
+        hint += ("; " if hint else "") + (
+            f"declare {which} with fields=(megapack.BatchField(name, per, dtype, stages), ...) "
+            "or drop it"
+        )
+    return f"PackedBatch.extras has undeclared keys {sorted(keys)}: {hint}"
+
+
+def known_fields_hint(
+    keys: Collection[str], declared: Collection[str] = ()
+) -> tuple[str, list[str]]:
+    """(how to declare the ``keys`` that megapack's own declarations name, or ""; the other keys).
+
+    Example:
+        >>> hint, others = known_fields_hint(["attention_bucket_0", "adv"], declared=["old"])
+        >>> hint
+        "megapack's attention bucket plan: pass fields=(*megapack.BUCKET_FIELDS, *your_fields) to get_batch_on_this_tp_rank, lockstep_steps and prefetch alike"
+        >>> others
+        ['adv']
+    """
+    known = (
+        ("megapack.LOSS_FIELDS", LOSS_FIELDS, "megapack's loss fields (which loss_fields=True "
+         "or with_loss_fields adds)"),
+        ("megapack.BUCKET_FIELDS", BUCKET_FIELDS, "megapack's attention bucket plan"),
+    )  # fmt: skip
+    found, covered = [], set()
+    for name, fields, what in known:
+        names = {f.name for f in fields}
+        if names & set(keys):
+            found.append((name, what))
+            covered |= names
+    others = sorted(set(keys) - covered)
+    if not found:
+        return "", others
+    if len(found) == 1 and not declared and not others:
+        give = f"fields={found[0][0]}"
+    else:  # the user's own fields go in the same tuple
+        give = "fields=(" + ", ".join(f"*{name}" for name, _ in found)
+        give += ", *your_fields)" if declared or others else ")"
+    what = " and ".join(what for _, what in found)
+    return (
+        f"{what}: pass {give} to get_batch_on_this_tp_rank, lockstep_steps and prefetch alike",
+        others,
+    )

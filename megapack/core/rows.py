@@ -21,10 +21,7 @@ import numpy as np
 import torch
 
 from megapack.core.batch import PackedBatch
-from megapack.core.fields import MASK_DTYPE, TOKEN_DTYPE
-
-GRID_NAMES = ("tokens", "labels", "loss_mask", "position_ids")
-"""The per-token built-in fields of a Megatron dict, [b, s] each."""
+from megapack.core.fields import GRID_NAMES, MASK_DTYPE, TOKEN_DTYPE
 
 
 def merge_rows(batch: Mapping[str, Any]) -> PackedBatch:

@@ -1,9 +1,11 @@
 """Delivery: batches in one direction from the TP source to its peers.
 
-    get_batch.py   `get_batch_on_this_tp_rank`, the one orchestrator: item -> intake -> CP share
-                   -> encode (`wire`) -> transport send | transport receive -> decode
+    get_batch.py   `get_batch_on_this_tp_rank`, the front door: megapack's own form goes to
+                   `deliver`, a caller's form to its adapter in callers.py
+    deliver.py     `deliver`, the one orchestrator: item -> intake -> CP share -> encode (`wire`)
+                   -> transport send | transport receive -> decode
     callers.py     the callers' conventions: Megatron-LM's, its older and Megatron-Bridge's calls
-                   of `get_batch_on_this_tp_rank`, each an adapter onto it, and their whole
+                   of `get_batch_on_this_tp_rank`, each an adapter onto `deliver`, and their whole
                    ``get_batch`` replacements (exported by `megapack.megatron`)
     wire.py        the frame: a header of int64 slots and the stage's fields
     transport.py   the transports (the local link is private to it: link.py, link_setup.py)

@@ -62,6 +62,7 @@ from megapack.core.batch import PackedBatch
 from megapack.core.checks import check_int
 from megapack.core.cp_share import cp_indices
 from megapack.core.fields import BatchField, Stage
+from megapack.delivery.deliver import deliver
 from megapack.distributed.topology import Topology, resolve_topology
 
 __all__ = ["MEGATRON_BATCH_KEYS", "Form", "bridge_get_batch", "form_of", "pretrain_gpt_get_batch"]
@@ -747,9 +748,7 @@ class _Read(Iterator[Any]):
 
 
 def _deliver(source: Iterator[Any] | None, **options: Any) -> dict[str, Any]:
-    from megapack.delivery.get_batch import get_batch_on_this_tp_rank  # it dispatches here
-
-    return get_batch_on_this_tp_rank(source, **options)
+    return deliver(source, **options)
 
 
 def _where(topology: Topology | None, pg_collection: Any) -> Topology:
@@ -797,10 +796,8 @@ def _is_default(name: str, value: Any) -> bool:
 
 @functools.cache
 def _defaults() -> dict[str, Any]:
-    """megapack's own keywords' defaults, from `get_batch_on_this_tp_rank`'s signature."""
-    from megapack.delivery.get_batch import get_batch_on_this_tp_rank
-
-    params = inspect.signature(get_batch_on_this_tp_rank).parameters.values()
+    """megapack's own keywords' defaults, from `deliver`'s signature."""
+    params = inspect.signature(deliver).parameters.values()
     return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
 
 

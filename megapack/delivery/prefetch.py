@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from megapack.core.checks import check_int
 from megapack.core.errors import CollectiveError, ProtocolError
-from megapack.delivery.get_batch import get_batch_on_this_tp_rank
+from megapack.delivery.deliver import deliver
 from megapack.distributed import comm
 from megapack.distributed.groups import control_group
 from megapack.distributed.topology import Topology, resolve_topology
@@ -144,13 +144,13 @@ class Prefetcher:
         depth = check_int("prefetch depth", depth, minimum=1)
         nice = check_int("prefetch nice", nice, minimum=0, maximum=19)
         self._nice = nice
-        # get_batch's own keyword options; the topology (or pg_collection) and the timeout are
-        # the prefetcher's, and a Megatron caller's own arguments do not travel through it
-        allowed = {
-            name
-            for name, p in inspect.signature(get_batch_on_this_tp_rank).parameters.items()
-            if p.kind == p.KEYWORD_ONLY
-        } - {"topology", "timeout", "pg_collection"}
+        # megapack's own form's options (`deliver`'s); the topology (or pg_collection) and the
+        # timeout are the prefetcher's, and a Megatron caller's form does not travel through it
+        allowed = set(inspect.signature(deliver).parameters) - {
+            "data_iterator",
+            "topology",
+            "timeout",
+        }
         if unknown := sorted(set(options) - allowed):
             raise TypeError(
                 f"prefetch got unknown options {unknown}; it passes on {sorted(allowed)} to "
@@ -252,7 +252,7 @@ class Prefetcher:
                 return
             try:
                 with torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext():
-                    batch = get_batch_on_this_tp_rank(
+                    batch = deliver(
                         self._iterator, topology=self._topo, timeout=self._timeout, **self._options
                     )
                     event = None

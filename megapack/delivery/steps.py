@@ -85,7 +85,7 @@ from megapack.delivery.agreement import (
     middle_without_data,
     schedule_mismatch,
 )
-from megapack.delivery.get_batch import (
+from megapack.delivery.deliver import (
     SourceOptions,
     source_batch,
     source_options,

@@ -209,10 +209,10 @@ def test_a_megatron_dict_with_loss_fields_names_loss_fields_in_full() -> None:
     )
 
 
-def test_docstring_examples() -> None:
+def test_docstring_examples_of_the_undeclared_keys_message() -> None:
     import doctest
 
-    from megapack.core import extras
+    from megapack.core import intake  # where the message for undeclared keys is made
 
-    result = doctest.testmod(extras, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(intake, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0

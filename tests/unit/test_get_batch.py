@@ -13,7 +13,7 @@ import torch
 from megapack import PackedBatch, RemoteDataError, Topology, get_batch_on_this_tp_rank
 from megapack.core.errors import CollectiveError, ProtocolError
 from megapack.core.fields import OUTPUT_KEYS, BatchField, Stage, schema_of
-from megapack.delivery import get_batch as get_batch_module
+from megapack.delivery import deliver as get_batch_module  # the orchestrator
 from megapack.delivery.transport import Transport
 from megapack.delivery.wire import Header, Status, header_bytes, payload_of, signal
 

@@ -33,6 +33,7 @@ from megapack import (
 )
 from megapack.core.errors import CollectiveError, ProtocolError
 from megapack.delivery import prefetch as prefetch_module
+from megapack.delivery.deliver import deliver
 from megapack.delivery.prefetch import Prefetcher
 from megapack.distributed import comm
 
@@ -96,12 +97,13 @@ class Call:
 def fake_get_batch(
     monkeypatch: pytest.MonkeyPatch, before: Callable[[int], object] | None = None
 ) -> list[Call]:
-    """get_batch_on_this_tp_rank in the prefetch module becomes a fake with its signature: it
+    """`deliver` (megapack's form of get_batch_on_this_tp_rank) in the prefetch module becomes a
+    fake with its signature: it
     returns ``{"item": next(iterator)}`` and raises an item that is an exception. ``before(n)``
     runs first in call ``n`` (0-based). Returns the calls."""
     calls: list[Call] = []
 
-    @functools.wraps(get_batch_on_this_tp_rank)  # the same signature: the same allowed options
+    @functools.wraps(deliver)  # the same signature: the same allowed options
     def fake(
         data_iterator: Any, *, topology: Topology, timeout: float | None, **options: Any
     ) -> dict[str, Any]:
@@ -114,7 +116,7 @@ def fake_get_batch(
             raise item
         return {"item": item}
 
-    monkeypatch.setattr(prefetch_module, "get_batch_on_this_tp_rank", fake)
+    monkeypatch.setattr(prefetch_module, "deliver", fake)
     return calls
 
 
@@ -628,7 +630,7 @@ def test_batches_travel_on_their_own_stream(monkeypatch: pytest.MonkeyPatch) -> 
         log.append(("batch", next(data_iterator)))
         return {"tokens": tensor, "cpu": plain, "max_seqlen": 3, "none": None}
 
-    monkeypatch.setattr(prefetch_module, "get_batch_on_this_tp_rank", fake)
+    monkeypatch.setattr(prefetch_module, "deliver", fake)
     topo = Topology.single("cuda")
     with prefetch(iter([0]), topology=topo) as batches:
         stream = batches._stream
