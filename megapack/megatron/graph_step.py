@@ -251,12 +251,13 @@ class GraphStep:
                 f"set_lr got {len(values)} values for {len(self._lrs)} param groups: pass one "
                 "float, or one per group"
             )
-        for i, v in enumerate(values):
+        for i, v in enumerate(values):  # every value checked before any is filled
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
                 raise TypeError(f"set_lr: the learning rate must be a finite number, got {v!r}")
             if v < 0:
                 raise ValueError(f"set_lr: the learning rate must be >= 0, got {v!r} (group {i})")
-            self._lrs[i].fill_(float(v))
+        for lr, v in zip(self._lrs, values, strict=True):
+            lr.fill_(float(v))
 
     def __call__(self, batches: Sequence[Mapping[str, Any]]) -> StepOutput:
         """One training step over the step's M micro-batches (delivered dicts, in order)."""

@@ -116,3 +116,73 @@ def test_boundaries_ending_before_t_give_the_reference_and_a_zero_tail(
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert torch.equal(a[end:], torch.zeros_like(a[end:])), f"{name} past the last boundary"
         torch.testing.assert_close(a[:end], b[:end], rtol=1e-12, atol=1e-12, msg=name)
+
+
+# ---- what mutation testing found unguarded (docs/records/mutation.md, 2026-11-28) -------------
+
+
+def test_grouped_query_attention_whatever_the_head_dim() -> None:
+    """4 query heads over 2 K/V heads with a head dim of 4 (equal to the query heads): grouped,
+    as the reference computes it."""
+    cu = torch.tensor([0, 5, 12, 13, 24], dtype=torch.int32)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(24, h, 4, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    got = KERNELS["bucketed"](q, k, v, Documents(cu, cu, 11, 24), 0.5, 0.0)
+    want = KERNELS["sdpa"](q, k, v, Documents(cu, cu, 11, 24), 0.5, 0.0)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_dropout_is_applied() -> None:
+    cu = torch.tensor([0, 20, 40], dtype=torch.int32)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(40, 2, 8, generator=g) for _ in range(3))
+    plain = KERNELS["bucketed"](q, k, v, Documents(cu, cu, 20, 40), 0.3, 0.0)
+    torch.manual_seed(0)
+    dropped = KERNELS["bucketed"](q, k, v, Documents(cu, cu, 20, 40), 0.3, 0.5)
+    torch.manual_seed(0)
+    again = KERNELS["bucketed"](q, k, v, Documents(cu, cu, 20, 40), 0.3, 0.5)
+    assert not torch.allclose(dropped, plain) and torch.equal(dropped, again)
+
+
+def test_the_plan_is_made_once_per_micro_batch_however_many_layers_attend() -> None:
+    """Without a delivered plan the first layer reads the boundaries from the host; the next
+    layers of the micro-batch (the same Documents) reuse its plan and read nothing."""
+    cu = torch.tensor([0, 5, 12, 13, 40], dtype=torch.int32)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(40, h, 8, generator=g) for h in (4, 2, 2))
+    docs = Documents(cu, cu, 27, 40)
+    with host_reads() as first:
+        one = KERNELS["bucketed"](q, k, v, docs, 0.3, 0.0)
+    assert first.by_module() != {}
+    with host_reads() as later:
+        two = KERNELS["bucketed"](q, k, v, docs, 0.3, 0.0)
+    assert later.by_module() == {}, later.report()
+    torch.testing.assert_close(one, two, rtol=0, atol=0)
+
+
+def test_bucketed_refuses_a_capture_naming_itself_why_and_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from megapack.core import capture
+    from megapack.core.errors import CaptureError
+
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    q, k, v = (torch.zeros(8, 2, 8) for _ in range(3))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(capture, "_runtime_capture_id", lambda: 9)
+    with pytest.raises(CaptureError) as caught:
+        KERNELS["bucketed"](q, k, v, Documents(cu, cu, 5, 8), 0.3, 0.0)
+    assert str(caught.value) == (
+        "attention backend 'bucketed' cannot run inside a CUDA-graph capture: its bucket shapes "
+        "change with every micro-batch; capture with backend 'cudnn' and a megapack.StaticShape"
+    )
+
+
+def test_bucket_shapes_are_the_delivered_plans_or_none() -> None:
+    from megapack.attention.bucketed import bucket_shapes
+
+    cu = torch.tensor([0, 5, 12, 13, 40], dtype=torch.int32)
+    docs = Documents(cu, cu, 27, 40)
+    assert bucket_shapes(docs) is None
+    docs.buckets = tuple(torch.from_numpy(b) for b in plan_buckets(cu.tolist(), total=40))
+    assert bucket_shapes(docs) == [tuple(b.shape) for b in docs.buckets] != []

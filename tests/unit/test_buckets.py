@@ -192,3 +192,12 @@ def test_docstring_examples() -> None:
 
     result = doctest.testmod(buckets)
     assert result.attempted >= 6 and result.failed == 0
+
+
+def test_a_total_below_the_last_boundary_says_what_to_pass() -> None:
+    with pytest.raises(ValueError) as caught:
+        plan_buckets([0, 7, 19, 30], total=20)
+    assert str(caught.value) == (
+        "total=20 is below the last boundary 30: pass the micro-batch's token count T "
+        "(tokens.shape[-1]), which the boundaries never exceed"
+    )

@@ -253,3 +253,119 @@ def test_docstring_examples() -> None:
     for module in (cudnn, cudnn_graph):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+# ---- what mutation testing found unguarded (docs/records/mutation.md, 2026-11-28) -------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "why"),
+    [
+        (BF16, 128, None),
+        (torch.float16, 8, None),
+        (BF16, 256, None),
+        (BF16, None, None),  # no head dim given: the environment only
+        (BF16, 100, "cuDNN's fused attention needs a head dim that is a multiple of 8 and <= 256, got 100"),
+        (BF16, 264, "cuDNN's fused attention needs a head dim that is a multiple of 8 and <= 256, got 264"),
+        (BF16, 4, "cuDNN's fused attention needs a head dim that is a multiple of 8 and <= 256, got 4"),
+        (torch.float32, 100, "cudnn is cuDNN's fused attention and takes float16/bfloat16 only"),
+    ],
+)  # fmt: skip
+def test_unavailable_on_a_hopper_gpu_checks_the_dtype_then_the_head_dim(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, head_dim: int | None, why: str | None
+) -> None:
+    """The environment check as on an sm90 GPU with cuDNN 9.19 and the frontend installed."""
+    monkeypatch.setattr(choice, "installed_here", lambda: hopper())
+    got = unavailable(torch.device("cuda", 0), dtype, head_dim)
+    assert got == why if why is None or "head dim" in why else why in str(got)
+    assert unavailable(torch.device("cpu"), dtype, head_dim) == "cudnn runs on CUDA only"
+    monkeypatch.setattr(choice, "installed_here", lambda: hopper(sm=80))
+    assert "needs sm90 or newer, this GPU is sm80" in str(
+        unavailable(torch.device("cuda", 0), BF16, 64)
+    )
+
+
+class _OnCuda:
+    """What shape_of reads of a CUDA tensor (its device, shape and dtype), on a CPU machine."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+        self.shape, self.device, self.dtype = torch.Size(shape), device, BF16
+
+
+def test_shape_of_names_the_current_cuda_device_and_the_deterministic_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    docs = Documents(torch.tensor([0, 5, 5, 30]), torch.tensor([0, 5, 5, 30]), 25, 40)
+    q, k, v = (_OnCuda((40, h, d), torch.device("cuda")) for h, d in ((8, 64), (2, 64), (2, 32)))
+    got = shape_of(docs, q, k, v, 0.125)  # type: ignore[arg-type]
+    assert got == GraphShape(batch=4, seqlen=64, heads=8, groups=2, dim=64, dim_v=32,
+                             max_tokens=64, dtype=BF16, scale=0.125,
+                             device=torch.device("cuda", 3), deterministic=False)  # fmt: skip
+    q1 = _OnCuda((40, 8, 64), torch.device("cuda", 1))  # an explicit index is kept
+    assert shape_of(docs, q1, k, v, 0.125).device == torch.device("cuda", 1)  # type: ignore[arg-type]
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert shape_of(docs, q, k, v, 0.125).deterministic is True  # type: ignore[arg-type]
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def test_a_refusal_crosses_processes_with_its_message_and_whether_it_lasts() -> None:
+    import pickle
+
+    for lasting in (True, False):
+        again = pickle.loads(pickle.dumps(CudnnUnavailable("no engine", lasting=lasting)))
+        assert type(again) is CudnnUnavailable
+        assert (str(again), again.lasting) == ("no engine", lasting)
+
+
+def test_the_frontends_not_supported_errors_are_its_own_type_and_not_implemented() -> None:
+    from types import SimpleNamespace
+
+    from megapack.attention.cudnn_graph import Frontend
+
+    class GraphNotSupported(RuntimeError):
+        pass
+
+    module = SimpleNamespace(cudnnGraphNotSupportedError=GraphNotSupported)
+    assert Frontend(module).not_supported() == (GraphNotSupported, NotImplementedError)
+    assert Frontend(SimpleNamespace()).not_supported() == (NotImplementedError,)
+    not_a_type = SimpleNamespace(cudnnGraphNotSupportedError="renamed")
+    assert Frontend(not_a_type).not_supported() == (NotImplementedError,)
+
+
+@needs_frontend
+@pytest.mark.parametrize(("dtype", "io"), [(BF16, "BFLOAT16"), (torch.float16, "HALF")])
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_described_graphs_compute_in_float32_on_io_of_the_inputs_dtype(
+    kind: str, dtype: torch.dtype, io: str
+) -> None:
+    """What megapack asks of cuDNN beyond the node's parameters: the graph's data types (float32
+    intermediates and compute), every tensor's uid its own (`UIDS`, never one the frontend
+    numbers), the offsets and lengths read as contiguous int vectors, the softmax statistics
+    backward reads laid out as forward writes them."""
+    module = frontend().module
+    s = shape(batch=8, seqlen=128, heads=16, groups=4, dim=128, dim_v=128, max_tokens=1024,
+              dtype=dtype)  # fmt: skip
+    graph, uids = describe(module, kind, s, handle=None)
+    context = graph.context
+    assert context.io_data_type == getattr(module.data_type, io)
+    assert context.intermediate_data_type == context.compute_data_type == module.data_type.FLOAT
+    (node,) = graph.nodes
+    tensors = [t for t in (*node.inputs.values(), *node.outputs.values()) if t is not None]
+    tensors += [t.ragged_offset for t in tensors if t.ragged_offset is not None]
+    by_uid = {name: uid for name, uid in uids.items()}
+    for t in tensors:
+        if t.is_virtual:
+            continue
+        assert t.uid_assigned, t.name
+        assert t.uid in by_uid.values(), t.name
+        if list(t.dim)[1:] == [1, 1, 1]:  # offsets [B + 1] and lengths [B]: contiguous
+            assert t.stride[0] == 1, t.name
+    ragged = [t for t in tensors if t.ragged_offset is not None]
+    assert {t.data_type for t in ragged} == {getattr(module.data_type, io)}
+    stats = next(t for t in tensors if t.uid == UIDS["stats"])
+    assert stats.dim == [8, 16, 128, 1] and stats.stride[:3] == [16 * 128, 128, 1]
+    assert stats.data_type == module.data_type.FLOAT

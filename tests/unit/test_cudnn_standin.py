@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from megapack.attention import choice
+from megapack.attention.cudnn import unavailable as ENVIRONMENT_CHECK  # the fixture patches it
 from megapack.attention.cudnn_graph import TRANSIENT_TRIES, CudnnUnavailable
 from megapack.attention.documents import Documents
 from megapack.attention.kernels import KERNELS, attend
@@ -209,3 +210,176 @@ def test_no_graph_is_built_inside_a_capture_and_the_failure_is_not_remembered(
     assert standin.built == ["forward", "backward"]
     want = reference(documents("T40-zero-length-middle-and-end"), q, k, v, grad)
     assert relative_error(got[0], want[0]) < 1e-2
+
+
+# ---- what mutation testing found unguarded (docs/records/mutation.md, 2026-11-28) -------------
+
+
+def test_the_environment_check_sees_the_inputs_dtype_and_head_dim(
+    standin: StandinFrontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cudnn.unavailable` as on a Hopper GPU (this CPU's device type aside): bf16 with a head
+    dim of 128 runs; a head dim cuDNN does not take, or float32, is refused before any build."""
+    from megapack.attention import cudnn
+    from tests.unit.test_cudnn import hopper
+
+    monkeypatch.setattr(choice, "installed_here", lambda: hopper())
+    monkeypatch.setattr(cudnn, "unavailable", lambda device, dtype, head_dim=None: (
+        ENVIRONMENT_CHECK(torch.device("cuda", 0), dtype, head_dim)))  # fmt: skip
+    docs = documents("T40-zero-length-middle-and-end")
+    q, k, v, grad = inputs(40, seed=3)
+    run("cudnn", docs, q, k, v, grad)  # passes the check
+    narrow = [x[..., :100].contiguous() for x in (q, k, v)]
+    with pytest.raises(CudnnUnavailable) as caught:
+        KERNELS["cudnn"](*narrow, docs, SCALE, 0.0)
+    assert str(caught.value) == (
+        "cuDNN's fused attention needs a head dim that is a multiple of 8 and <= 256, got 100"
+    )
+    with pytest.raises(CudnnUnavailable, match="takes float16/bfloat16 only"):
+        KERNELS["cudnn"](q.float(), k.float(), v.float(), docs, SCALE, 0.0)
+    assert standin.built == ["forward", "backward"]  # only the passing call built anything
+
+
+def test_attention_dropout_is_refused_before_any_build(standin: StandinFrontend) -> None:
+    q, k, v, _ = inputs(40, seed=4)
+    for dropout in (0.1, 1.0):
+        with pytest.raises(CudnnUnavailable) as caught:
+            KERNELS["cudnn"](q, k, v, documents("T40-zero-length-middle-and-end"), SCALE, dropout)
+        assert str(caught.value) == "the cudnn backend has no attention dropout"
+    assert standin.built == []
+
+
+def test_inputs_that_need_no_gradient_build_the_forward_graph_only(
+    standin: StandinFrontend,
+) -> None:
+    """Gradients enabled, but nothing to backpropagate into (a frozen layer, an evaluation
+    without no_grad): the backward graph is not built, so its refusal cannot stop the forward."""
+    q, k, v, _ = inputs(40, seed=5)
+    assert torch.is_grad_enabled() and not q.requires_grad
+    out = KERNELS["cudnn"](q, k, v, documents("T40-zero-length-middle-and-end"), SCALE, 0.0)
+    assert standin.built == ["forward"] and not out.requires_grad
+
+
+def test_a_document_exactly_at_a_shape_class_runs(standin: StandinFrontend) -> None:
+    """The longest document exactly 64 tokens (its class) and 4 documents (a power of two)."""
+    cu = torch.tensor([0, 64, 70, 71, 80], dtype=torch.int32)
+    docs = Documents(cu, cu, 64, 80)
+    q, k, v, grad = inputs(80, seed=6)
+    got = run("cudnn", docs, q, k, v, grad)
+    want = reference(Documents(cu, cu, 64, 80), q, k, v, grad)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert relative_error(a, b) < 1e-2, name
+
+
+def test_graphs_are_described_on_the_devices_own_handle_with_the_fallback_heuristics(
+    standin: StandinFrontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every graph is described with the one handle per device megapack creates (not one the
+    frontend would make per graph), and plans are asked of heuristics A, then FALLBACK."""
+    import cudnn as real
+
+    from tests.unit import cudnn_standin
+
+    handles, modes = [], []
+    describe_on = standin.module.pygraph
+
+    def pygraph(**kwargs: object) -> object:
+        handles.append(kwargs.get("handle"))
+        return describe_on(**kwargs)
+
+    plans = cudnn_standin._Graph.create_execution_plans
+
+    def create_execution_plans(self: object, asked: object) -> None:
+        modes.append(asked)
+        plans(self, asked)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(standin.module, "pygraph", pygraph)
+    monkeypatch.setattr(cudnn_standin._Graph, "create_execution_plans", create_execution_plans)
+    docs = documents("T40-zero-length-middle-and-end")
+    run("cudnn", docs, *inputs(40, seed=7))
+    device = torch.device("cpu")
+    assert handles == [standin.handle(device)] * 2 and handles[0].device == device
+    assert modes == [[real.heur_mode.A, real.heur_mode.FALLBACK]] * 2
+
+
+def test_a_handle_that_cannot_be_created_is_a_transient_failure(
+    standin: StandinFrontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def out_of_memory(device: torch.device) -> object:
+        raise torch.OutOfMemoryError("CUDA out of memory (cudnnCreate)")
+
+    docs = documents("T40-zero-length-middle-and-end")
+    q, k, v, _ = inputs(40, seed=8)
+    with monkeypatch.context() as m:
+        m.setattr(standin, "handle", out_of_memory)
+        with pytest.raises(CudnnUnavailable) as caught:
+            KERNELS["cudnn"](q, k, v, docs, SCALE, 0.0)
+    shape = caught.value.args[0].split(": creating the handle failed: ")
+    assert shape[0].startswith("cuDNN cannot build the forward graph for GraphShape(")
+    assert shape[1] == "CUDA out of memory (cudnnCreate)" and caught.value.lasting is False
+    KERNELS["cudnn"](q, k, v, docs, SCALE, 0.0)  # the handle comes: built and run
+    assert standin.built == ["forward"]
+
+
+def test_a_graph_the_frontend_cannot_describe_or_a_missing_frontend_is_refused_for_good(
+    standin: StandinFrontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megapack.attention import cudnn_graph
+
+    docs = documents("T40-zero-length-middle-and-end")
+    q, k, v, _ = inputs(40, seed=9)
+
+    def old_frontend(*args: object) -> object:
+        raise TypeError("sdpa() got an unexpected keyword argument 'seq_len_kv'")
+
+    with monkeypatch.context() as m:
+        m.setattr(cudnn_graph, "describe", old_frontend)
+        with pytest.raises(CudnnUnavailable) as caught:
+            KERNELS["cudnn"](q, k, v, docs, SCALE, 0.0)
+    head, why = str(caught.value).split(": describing it failed: ")
+    assert head.startswith("cuDNN cannot build the forward graph for GraphShape(")
+    assert why == "sdpa() got an unexpected keyword argument 'seq_len_kv'"
+    assert caught.value.lasting is True
+    with pytest.raises(CudnnUnavailable, match="describing it failed"):  # remembered
+        KERNELS["cudnn"](q, k, v, docs, SCALE, 0.0)
+
+    monkeypatch.setattr(cudnn_graph, "frontend", lambda: None)
+    monkeypatch.setattr(cudnn_graph, "_graphs", {})
+    with pytest.raises(CudnnUnavailable) as caught:
+        KERNELS["cudnn"](q, k, v, docs, SCALE, 0.0)
+    assert str(caught.value) == (
+        "nvidia-cudnn-frontend is not installed (pip install 'megapack[cudnn]')"
+    )
+    assert caught.value.lasting is True
+
+
+def test_the_frontends_not_supported_error_is_a_lasting_refusal(standin: StandinFrontend) -> None:
+    import cudnn as real
+
+    docs = documents("T40-zero-length-middle-and-end")
+    q, k, v, _ = inputs(40, seed=10)
+    standin.refuse["forward"] = real.cudnnGraphNotSupportedError("no engine for this graph")
+    with pytest.raises(CudnnUnavailable) as caught:
+        KERNELS["cudnn"](q, k, v, docs, SCALE, 0.0)
+    assert caught.value.lasting is True and str(caught.value).endswith(": no engine for this graph")
+    del standin.refuse["forward"]
+    with pytest.raises(CudnnUnavailable, match="no engine for this graph"):  # not tried again
+        KERNELS["cudnn"](q, k, v, docs, SCALE, 0.0)
+    assert standin.built == []
+
+
+def test_a_build_inside_a_capture_says_to_warm_up_naming_the_graph(
+    standin: StandinFrontend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megapack.attention.cudnn import shape_of
+
+    docs = documents("T40-zero-length-middle-and-end")
+    q, k, v, _ = inputs(40, seed=11)
+    with faked_capture(monkeypatch), pytest.raises(CaptureError) as caught:
+        KERNELS["cudnn"](q, k, v, docs, SCALE, 0.0)
+    assert str(caught.value) == (
+        f"cuDNN's forward attention graph for {shape_of(docs, q, k, v, SCALE)} is not built yet, "
+        "and building it cannot be recorded in a CUDA-graph capture (cudnnCreate, plan building "
+        "and its workspace query run on the host); warm up eagerly first: run the step, forward "
+        "and backward, once outside the capture with the same shapes (GraphStep's warmup does)"
+    )

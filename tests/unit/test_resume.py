@@ -480,3 +480,170 @@ def test_resume_reads_a_state_of_an_earlier_megapack_with_a_warning(
     state["version"] = 2  # a version-2 state must have one
     with pytest.raises(ValueError, match="the state has no 'fingerprint'"):
         it.load_state_dict(state)
+
+
+# -- what mutation testing found unguarded (docs/records/mutation.md, 2026-11-28) ---------------
+def test_state_for_errors_name_the_argument_its_value_and_the_fix() -> None:
+    ds = dataset(1, 2, "token")  # dp 2 x micro_batches 2 = 4 micro-batches a step
+    cases: list[tuple[dict[str, Any], type[Exception], str]] = [
+        ({}, TypeError, "state_for needs Megatron-LM's counters: consumed_samples="
+         "args.consumed_train_samples with micro_batch_size=args.micro_batch_size, or "
+         "iterations=args.iteration"),
+        ({"consumed_samples": 8}, TypeError, "state_for(consumed_samples=8) needs "
+         "micro_batch_size=, Megatron's --micro-batch-size (args.micro_batch_size): it counts "
+         "that many samples per forward_step, each of which gets one micro-batch of "
+         "rows_per_micro_batch=2 rows (THD: --micro-batch-size 1, a sample is a packed "
+         "micro-batch)"),
+        ({"consumed_samples": 6, "micro_batch_size": 1}, ValueError, "consumed_samples=6 is not "
+         "a whole number of steps of micro_batch_size 1 x dp_size 2 x micro_batches 2 = 4 "
+         "samples: check micro_batch_size, and that dp_size and micro_batches are the run's"),
+        ({"iterations": -1}, ValueError, "iterations must be an int >= 0, got -1"),
+        ({"iterations": 1, "global_batch_size": 4}, TypeError, "global_batch_size= is checked "
+         "against micro_batch_size x dp_size x micro_batches: pass micro_batch_size= "
+         "(args.micro_batch_size) too"),
+        ({"iterations": 1, "micro_batch_size": 1, "global_batch_size": 0}, ValueError,
+         "global_batch_size must be an int >= 1, got 0"),
+        ({"iterations": 1, "micro_batch_size": 2, "global_batch_size": 4}, ValueError,
+         "global_batch_size=4 is not micro_batch_size 2 x dp_size 2 x micro_batches 2 = 8: this "
+         "dataset's dp_size and micro_batches must be the run's (micro_batches = global batch / "
+         "(micro-batch size x dp_size))"),
+        ({"iterations": 1, "plan": 4}, TypeError,
+         "plan must be a pair (dp_size, micro_batches), got 4"),
+        ({"iterations": 1, "plan": [1, 2, 2]}, TypeError,
+         "plan must be a pair (dp_size, micro_batches), got [1, 2, 2]"),
+        ({"iterations": 1, "plan": (0, 4)}, ValueError, "plan[0] must be an int >= 1, got 0"),
+        ({"iterations": 1, "plan": (1, 2)}, ValueError, "plan=(1, 2) is a global batch of 2 "
+         "micro-batches, this run's (2, 2) of 4: the counters cannot map a changed global batch"),
+    ]  # fmt: skip
+    for kwargs, error, message in cases:
+        with pytest.raises(error) as caught:
+            ds.state_for(**kwargs)
+        assert str(caught.value) == message, kwargs
+    with pytest.raises(TypeError) as caught:
+        compute_dataset(CostModel(a=2.0, b=0.5)).state_for(iterations=1)
+    assert str(caught.value) == (
+        "state_for with balance='compute' needs plan=(dp_size, micro_batches) of the run that "
+        "began the checkpoint's epoch: its order is balanced for that DP size and counters do "
+        "not record it (this run's is (2, 2), if the DP size did not change). Or resume from "
+        "DatasetIterator.state_dict(), which records it"
+    )
+
+
+def test_state_for_takes_both_counters_when_they_agree_and_the_least_global_batch() -> None:
+    ds = dataset(1, 2, "token")  # 4 micro-batches a step
+    both = ds.state_for(consumed_samples=24, micro_batch_size=2, iterations=3)
+    assert both == ds.state_for(iterations=3) and both["index"] == 6
+    one = PackedDataset(DOCS, seq_len=SEQ, rows_per_micro_batch=ROWS, micro_batches=1)
+    state = one.state_for(consumed_samples=3, micro_batch_size=1, global_batch_size=1)
+    assert (state["epoch"], state["index"]) == (0, 3)
+
+
+def test_state_for_at_an_epoch_boundary_plans_the_next_epoch_for_this_run() -> None:
+    """The checkpoint's plan is the epoch in progress's; an epoch not begun is this run's."""
+    ds = compute_dataset(CostModel(a=2.0, b=0.5))  # dp 2 x micro_batches 2
+    per_epoch = ds.padded_micro_batches // GLOBAL
+    inside = ds.state_for(iterations=1, plan=(4, 1))
+    assert inside["plan"] == [4, 1]
+    boundary = ds.state_for(iterations=per_epoch, plan=(4, 1))
+    assert (boundary["epoch"], boundary["index"], boundary["plan"]) == (1, 0, [2, 2])
+
+
+def test_check_state_refuses_a_prefetchers_or_locksteps_state_passed_directly() -> None:
+    from megapack.data.resume import check_state
+
+    message = (
+        "this is a megapack.prefetch or lockstep_steps state_dict, not a DatasetIterator's: pass "
+        "it to DatasetIterator.load_state_dict, which takes its position "
+        "(megapack.data.resume.position_of)"
+    )
+    for state in ({"used": 2, "iterator": a_state()}, {"used": 2, "iterator": None, "x": 1},
+                  lockstep_state(a_state())):  # fmt: skip
+        with pytest.raises(ValueError) as caught:
+            check_state(state)
+        assert str(caught.value) == message, state
+    assert check_state(a_state() | {"used": 2})["index"] == 2  # "used" alone is no prefetch state
+
+
+def test_check_state_names_every_missing_key_and_checks_a_version_2_fingerprint() -> None:
+    from megapack.data.resume import check_state
+
+    state = a_state()
+    del state["rows"], state["seed"]
+    with pytest.raises(ValueError) as caught:
+        check_state(state)
+    assert str(caught.value) == (
+        f"the state has no 'rows', 'seed' (keys {sorted(state)}): save "
+        "DatasetIterator.state_dict() whole"
+    )
+    old = a_state() | {"version": 2, "fingerprint": 5}
+    del old["cost"]
+    with pytest.raises(TypeError, match=r"^state\['fingerprint'\] must be a str, got int 5$"):
+        check_state(old)
+    assert check_state(old | {"fingerprint": "blake2b-128:00"})["fingerprint"] == "blake2b-128:00"
+
+
+def test_malformed_values_are_shown_whole_up_to_60_characters_then_cut() -> None:
+    from megapack.data.resume import check_state
+
+    exactly = "x" * 58  # repr: 60 characters with its quotes
+    longer = "y" * 100
+    prefix = "a DatasetIterator state is a dict (DatasetIterator.state_dict()), got str "
+    for value, shown in ((exactly, repr(exactly)), (longer, repr(longer)[:57] + "...")):
+        with pytest.raises(TypeError) as caught:
+            check_state(value)
+        assert str(caught.value) == prefix + shown
+    with pytest.raises(TypeError) as caught:
+        it = dataset(0, 2, "token").iterate()
+        it.load_state_dict({"kind": "megapack.lockstep_steps", "iterators": (1, 2)})
+    assert str(caught.value) == (
+        "state['iterators'] of a lockstep_steps state must be a list (one data position per "
+        "model chunk), got (1, 2): save StepLockstep.state_dict() whole"
+    )
+
+
+def test_a_token_balanced_state_records_no_cost_model_even_when_one_is_given() -> None:
+    ds = PackedDataset(DOCS, seq_len=SEQ, rows_per_micro_batch=ROWS, balance="token",
+                       cost=CostModel(a=2.0, b=0.5))  # fmt: skip
+    assert ds.iterate().state_dict()["cost"] is None
+
+
+def test_an_iterator_stops_at_the_epochs_end_unless_told_to_repeat() -> None:
+    ds = dataset(0, 2, "token")
+    assert len(list(ds.iterate())) == len(ds)
+    from megapack.data.resume import DatasetIterator
+
+    assert len(list(DatasetIterator(ds))) == len(ds)
+
+
+def test_resume_logs_the_earlier_version_and_only_for_a_state_without_fingerprint(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    it = dataset(0, 2, "token").iterate()
+    with caplog.at_level(logging.WARNING, logger="megapack.data.resume"):
+        it.load_state_dict(a_state())
+    assert caplog.records == []  # a current state: nothing to say
+    old = a_state() | {"version": 1}
+    del old["fingerprint"], old["cost"]
+    with caplog.at_level(logging.WARNING, logger="megapack.data.resume"):
+        it.load_state_dict(old)
+    assert [r.getMessage() for r in caplog.records] == [
+        "megapack: resuming from a state of an earlier megapack (version 1), which records no "
+        "dataset fingerprint: only the rows, seed and layout are checked"
+    ]
+
+
+def test_resume_errors_of_the_cost_and_the_dp_change_say_the_whole_fix() -> None:
+    it = dataset(0, 2, "token").iterate()
+    with pytest.raises(ValueError) as caught:
+        it.load_state_dict(a_state() | {"cost": {"a": 1.0, "b": 0.0}})
+    assert str(caught.value) == (
+        "cannot resume: the checkpoint's dataset has cost={'a': 1.0, 'b': 0.0}, this one has "
+        "cost=None (a cost model is recorded with balance='compute' only)"
+    )
+    one = dataset(0, 1, "token").iterate()
+    with pytest.raises(ValueError) as caught:
+        one.load_state_dict(a_state() | {"index": 3})  # dp 2 -> 1 in the middle of a step
+    assert str(caught.value) == (
+        "cannot resume on dp_size 1: the checkpoint (dp_size 2) was taken after 1 of a step's 2 "
+        "micro-batches; change the DP size only at a step boundary"
+    )

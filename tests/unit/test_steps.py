@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,7 +73,8 @@ def test_lockstep_steps_partial_last_step_warns_with_the_count_left(
         "megapack: lockstep_steps: the data on rank 0 ended after 2 of step 1's 3 micro-batches: "
         "the partial step is not run (2 micro-batch(es) left unused); every rank stops before it",
     )
-    assert caplog.records[0].pathname == __file__  # it points at the loop
+    # it points at the loop (under mutation testing mutmut's trampoline adds a frame)
+    assert caplog.records[0].pathname == __file__ or "MUTANT_UNDER_TEST" in os.environ
 
 
 def test_lockstep_steps_whole_end_gives_no_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -544,3 +546,247 @@ def test_agree_middle_stages_without_data_only_when_batches_are_packed() -> None
     )
     declared = [(0, rank() | {"packed_option": True}), (1, middle(1))]
     assert "(rank 0 passed packed=True)" in agreement_errors(declared)[0][0]
+
+
+# ------------------------------------------------------------------ what mutation testing found unguarded
+# (docs/records/mutation.md, 2026-11-28)
+
+
+def test_a_bad_batch_says_what_to_pass_unless_the_intake_named_megapacks_fields() -> None:
+    bad = dataclasses.replace(PackedDataset(documents(4), 8)[0],
+                              cu_seqlens=torch.tensor([0, 6, 3, 8], dtype=torch.int32))  # fmt: skip
+    with pytest.raises(ValueError) as caught:
+        next(lockstep_steps(iter([bad, bad]), micro_batches=2, topology=ONE))
+    assert str(caught.value) == (
+        "lockstep_steps: micro-batch 0 of step 0, checked before the step as "
+        "get_batch_on_this_tp_rank's source will: PackedBatch.cu_seqlens is not strictly "
+        "increasing: 3 follows 6 at index 2 (pass get_batch's fields=/packed=/static= to "
+        "lockstep_steps too; check=False: not a megapack batch)"
+    )
+    assert caught.value.__traceback__ is not None
+
+
+def test_an_item_the_check_cannot_read_keeps_its_error_with_a_note() -> None:
+    class Unreadable(dict):  # type: ignore[type-arg]
+        """A batch dict whose storage is gone: every read raises."""
+
+        def __getitem__(self, key: Any) -> Any:
+            raise RuntimeError("storage gone")
+
+        def get(self, key: Any, default: Any = None) -> Any:
+            raise RuntimeError("storage gone")
+
+    item = Unreadable(tokens=torch.zeros(1, 8, dtype=torch.long), cu_seqlens=torch.tensor([0, 8]))
+    with pytest.raises(RuntimeError) as caught:
+        next(lockstep_steps(iter([item, item]), micro_batches=2, topology=ONE))
+    assert str(caught.value) == "storage gone"
+    assert caught.value.__notes__[0] == (
+        "megapack.lockstep_steps: micro-batch 0 of step 0, checked before the step as "
+        "get_batch_on_this_tp_rank's source will (check=False: not a megapack batch; pass "
+        "get_batch's fields=/packed=/static= here too)"
+    )
+
+
+def test_an_ended_lockstep_stays_ended_whatever_its_iterator_does_next() -> None:
+    class Pausing:
+        """Ends once after 3 items, then goes on (a stream that refills)."""
+
+        def __init__(self) -> None:
+            self.values, self.paused = list(range(8)), False
+
+        def __iter__(self) -> Pausing:
+            return self
+
+        def __next__(self) -> int:
+            if len(self.values) == 5 and not self.paused:
+                self.paused = True
+                raise StopIteration
+            return self.values.pop(0)
+
+    source = Pausing()
+    steps = lockstep_steps(source, micro_batches=2, topology=ONE, check=False)
+    assert take(steps) == [[0, 1]]  # 2 then the pause: a partial step, not run
+    with pytest.raises(StopIteration):
+        next(steps)
+    assert source.values == [3, 4, 5, 6, 7]  # nothing read after the end
+
+
+def test_the_schedule_taking_fewer_items_names_the_model_chunk() -> None:
+    steps = lockstep_steps([iter(range(8))], micro_batches=2, topology=ONE, check=False)
+    first = next(steps)
+    next(first[0])  # type: ignore[index,call-overload]
+    with pytest.raises(ValueError) as caught:
+        next(steps)
+    assert str(caught.value) == (
+        "lockstep_steps(micro_batches=2): the schedule took 1 of step 0's 2 micro-batches of "
+        "model chunk 0 on rank 0; the rest would be lost: pass the schedule's num_microbatches "
+        "as micro_batches="
+    )
+
+
+def test_wrong_lists_of_iterators_are_named_with_the_fix() -> None:
+    with pytest.raises(ValueError) as caught:
+        lockstep_steps([], micro_batches=2, topology=ONE)
+    assert str(caught.value) == (
+        "lockstep_steps: data_iterator is an empty list; give one per chunk"
+    )
+    vp = dataclasses.replace(ONE, vp_stage=0, vp_size=2)
+    with pytest.raises(ValueError) as caught:
+        lockstep_steps(iter(range(4)), micro_batches=2, topology=vp)
+    assert str(caught.value) == (
+        "lockstep_steps: virtual pipelining is on (vp_size=2): pass a list of 2 data iterators, "
+        "one per model chunk, as megatron-core's interleaved schedule takes"
+    )
+
+
+class Group:
+    """A process group's stand-in where a topology only names one (nothing collective runs)."""
+
+
+def test_a_tp_peers_iterator_is_ignored_with_a_warning_and_has_no_position(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def peer() -> megapack.Topology:  # a TP group of its own: the warning is once per group
+        return megapack.Topology(tp_group=Group(), tp_ranks=(0, 1), tp_rank=1)
+
+    ds = PackedDataset(documents(4), 8, micro_batches=2)
+    with caplog.at_level(logging.WARNING, logger="megapack"):
+        steps = lockstep_steps(ds.iterate(), micro_batches=2, topology=peer())
+    assert warned(caplog) == [("megapack.delivery", logging.WARNING, (
+        "megapack: lockstep_steps: rank 1 is TP rank 1, not its group's TP source (global rank "
+        "0): its data_iterator is ignored. Only the TP source reads data and sends every TP "
+        "rank the same batch; pass data_iterator=None on the other TP ranks (as Megatron builds "
+        "the data iterator only on TP rank 0)"))]  # fmt: skip
+    assert steps.state_dict()["iterators"] == [None]
+    caplog.clear()
+    source = megapack.Topology(tp_group=Group(), tp_ranks=(0, 1), tp_rank=0)
+    with caplog.at_level(logging.WARNING, logger="megapack"):
+        lockstep_steps(None, micro_batches=2, topology=peer())  # nothing given: nothing to say
+        lockstep_steps(ds.iterate(), micro_batches=2, topology=source)  # the source reads it
+    assert warned(caplog) == []
+
+
+def test_the_last_pipeline_stage_counts_the_trained_tokens(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every micro-batch is counted once in the job: on its last stage's TP source (with
+    virtual pipelining the chunk of the last stage; a list without it: unknown, none)."""
+    ds = PackedDataset(documents(4), 8, micro_batches=2)  # 2 steps of 14 trained tokens
+
+    def trained(data: Any, **place: Any) -> str:
+        topo = megapack.Topology(tp_group=None, tp_ranks=(0,), tp_rank=0, **place)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megapack"):
+            for step in lockstep_steps(data, micro_batches=2, topology=topo):
+                for chunk in step if isinstance(step, list) else [step]:
+                    if chunk is not None:
+                        items(chunk)
+        return records(caplog)[0][1].split("; trained ")[1].split(" (")[0]
+
+    assert trained(ds.iterate()) == "2 steps and 28 trained tokens"
+    assert trained(ds.iterate(), pp_rank=0, pp_size=2) == "2 steps and 0 trained tokens"
+    assert trained(ds.iterate(), pp_rank=1, pp_size=2) == "2 steps and 28 trained tokens"
+    chunks = {"pp_rank": 1, "pp_size": 2, "vp_stage": 0, "vp_size": 2}
+    assert trained([ds.iterate(), ds.iterate()], **chunks) == "2 steps and 28 trained tokens"
+    assert trained([ds.iterate()]) == "2 steps and 0 trained tokens"  # which chunk: unknown
+    # a chunk without data in a list without virtual pipelining: not known to be an error
+    assert trained([None, ds.iterate()]) == "2 steps and 0 trained tokens"
+
+
+def test_the_trained_tokens_of_whole_rows_count_on_cp_rank_0_and_of_shares_on_every_rank(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A data iterator's rows are read whole on every CP rank: counted once, on CP rank 0; a
+    delivered batch (`megapack.prefetch`'s dict) is this rank's share: counted everywhere."""
+    rows = PackedDataset(documents(4), 8, micro_batches=2)
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    shares = [{"packed_seq_params": None, "loss_mask": mask}] * 2
+    cases = [(0, list(rows.iterate())[:2], 14), (1, list(rows.iterate())[:2], 0),
+             (1, shares, 6), (0, shares, 6)]  # fmt: skip
+    for cp_rank, source, trained in cases:
+        topo = megapack.Topology(tp_group=None, tp_ranks=(0,), tp_rank=0, cp_group=Group(),
+                                 cp_ranks=(0, 1), cp_rank=cp_rank)  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megapack"):
+            assert len(take(lockstep_steps(iter(source), micro_batches=2, topology=topo,
+                                           check=False))) == 1  # fmt: skip
+        assert f"trained 1 step and {trained} trained tokens" in records(caplog)[0][1], (
+            cp_rank,
+            trained,
+        )
+
+
+def test_the_datasets_of_every_chunk_are_checked() -> None:
+    fits = PackedDataset(documents(4), 8, micro_batches=2)
+    other = PackedDataset(documents(6), 8, micro_batches=3, loss_fields=True)
+    with pytest.raises(ValueError, match=r"the datasets disagree on micro_batches: rank 0 has 2, "
+                                         r"rank 0 has 3 \(every rank must build its dataset"):  # fmt: skip
+        next(lockstep_steps([fits.iterate(), other.iterate()], micro_batches=2, topology=ONE,
+                            check=False))  # fmt: skip
+
+
+def test_a_failed_agreement_notes_that_the_read_failed_too() -> None:
+    loss = PackedDataset(documents(6), 8, micro_batches=3, loss_fields=True)
+    with pytest.raises(ValueError) as caught:
+        next(lockstep_steps(failing(4, 0), micro_batches=2, topology=ONE, dataset=loss,
+                            check=False))  # fmt: skip
+    assert "its loss fields count" in str(caught.value)
+    assert [n for n in getattr(caught.value, "__notes__", []) if "read of step 0" in n] == [
+        "megapack.lockstep_steps: this rank's read of step 0 failed too: OSError('bad shard at 0')"
+    ]
+    with pytest.raises(ValueError) as caught:  # the read went well: no such note
+        next(lockstep_steps(iter(range(4)), micro_batches=2, topology=ONE, dataset=loss,
+                            check=False))  # fmt: skip
+    assert not [n for n in getattr(caught.value, "__notes__", []) if "read of step 0" in n]
+
+
+@pytest.fixture
+def world(tmp_path: Any) -> Iterator[Any]:
+    """A gloo world of this one process: the lockstep's collective paths, run by one rank."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("end", ["boundary", "partial", "failure"])
+def test_one_rank_of_a_process_group_runs_the_steps_and_reports_the_end(
+    world: Any, caplog: pytest.LogCaptureFixture, end: str
+) -> None:
+    """The step status and the end report go through the group's collectives (one rank here;
+    many: tests/functional/test_schedule_lockstep.py, test_lockstep_agreement.py)."""
+    ds = PackedDataset(documents(6), 8, micro_batches=2)
+    source = {"boundary": ds.iterate(), "partial": iter(list(ds.iterate())[:5]),
+              "failure": broken_at(ds.iterate(), 3)}[end]  # fmt: skip
+    steps = lockstep_steps(source, micro_batches=2, topology=ONE, group=world, timeout=30.0)
+    with caplog.at_level(logging.INFO, logger="megapack"):
+        got = []
+        try:
+            for step in steps:
+                got.append(items(step))  # type: ignore[arg-type]
+        except ValueError as exc:
+            assert end == "failure" and "cu_seqlens" in str(exc)
+    trained = (
+        f"trained {len(got)} step{'' if len(got) == 1 else 's'} and {14 * len(got)} trained tokens"
+    )
+    (level, line), = records(caplog)  # fmt: skip
+    if end == "boundary":
+        assert len(got) == 3 and level == logging.INFO
+        assert line.startswith("megapack: lockstep_steps stopped at step 3: the data on rank 0 "
+                               "ended at the step boundary; " + trained)  # fmt: skip
+    elif end == "partial":
+        assert len(got) == 2 and level == logging.WARNING
+        assert line.startswith("megapack: lockstep_steps stopped at step 2: the data on rank 0 "
+                               "ended after 1 of its 2 micro-batches (the partial step is not "
+                               "run); " + trained)  # fmt: skip
+    else:
+        assert len(got) == 1 and level == logging.ERROR
+        assert line.startswith("megapack: lockstep_steps stopped at step 1: rank 0 failed: "
+                               "ValueError: lockstep_steps: micro-batch 1 of step 1")  # fmt: skip
+        assert line.endswith(
+            trained + " (loss_mask non-zero) handed to the schedule across the job"
+        )
+    with pytest.raises((StopIteration, RuntimeError)):
+        next(steps)  # it stays ended

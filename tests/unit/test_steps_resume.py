@@ -183,3 +183,94 @@ def test_the_state_kind_is_one_name_in_both_layers() -> None:
     from megapack.delivery.steps import STATE_KIND
 
     assert STATE_KIND == LOCKSTEP_KIND == "megapack.lockstep_steps"
+
+
+# -- what mutation testing found unguarded (docs/records/mutation.md, 2026-11-28) ---------------
+def a_state() -> dict[str, Any]:
+    return dict(run(0, steps=2)[1])["after 0"]
+
+
+def test_load_state_dict_errors_name_the_state_and_the_fix_in_full() -> None:
+    state = a_state()
+    fresh = lockstep_steps(dataset().iterate(), micro_batches=M, topology=ONE)
+    long = {"used": 2, "iterator": "x" * 80}
+    cases: list[tuple[Any, type[Exception], str]] = [
+        (long, TypeError, "StepLockstep.load_state_dict takes a lockstep_steps state_dict() "
+         f"(kind 'megapack.lockstep_steps'), got {repr(long)[:57]}...; load a DatasetIterator's "
+         "or a prefetcher's state into the dataset's iterator (DatasetIterator.load_state_dict)"),
+        (state | {"version": 0}, ValueError, "state['version'] must be an int >= 1, got 0"),
+        (state | {"iterators": [None, None]}, ValueError, "state['iterators'] holds [None, None], "
+         "but this lockstep_steps reads 1 data iterator(s): save and load the state of a "
+         "lockstep_steps built alike (one position per model chunk)"),
+        (state | {"iterators": [None]}, ValueError, "state['iterators'][0] is None: the state was "
+         "saved on a rank that reads no data there (a TP peer, or a middle stage without data); "
+         "save global rank 0's (the first stage's TP source)"),
+    ]  # fmt: skip
+    sixty = {"used": 2, "iterator": "x" * 33}  # its repr: 60 characters, shown whole
+    assert len(repr(sixty)) == 60
+    cases.append((sixty, TypeError, "StepLockstep.load_state_dict takes a lockstep_steps "
+                  f"state_dict() (kind 'megapack.lockstep_steps'), got {sixty!r}; load a "
+                  "DatasetIterator's or a prefetcher's state into the dataset's iterator "
+                  "(DatasetIterator.load_state_dict)"))  # fmt: skip
+    for bad, error, message in cases:
+        with pytest.raises(error) as caught:
+            fresh.load_state_dict(bad)
+        assert str(caught.value) == message
+    with (
+        megapack.prefetch(dataset().iterate(), topology=ONE) as ahead,
+        pytest.raises(ValueError) as caught,
+    ):
+        lockstep_steps([ahead], micro_batches=M, topology=ONE).load_state_dict(state)
+    assert str(caught.value) == (
+        "StepLockstep.load_state_dict: data_iterator[0] is a megapack.prefetch, which read ahead "
+        "when it was built: load the state into the dataset's iterator (it.load_state_dict(state)) "
+        "before building the prefetcher over it"
+    )
+
+
+def test_load_state_dict_after_a_read_is_refused_even_before_a_step() -> None:
+    state = a_state()
+    ended = lockstep_steps(iter([]), micro_batches=M, topology=ONE, check=False)
+    with pytest.raises(StopIteration):
+        next(ended)  # read at step 0, no step given out
+    with pytest.raises(ValueError) as caught:
+        ended.load_state_dict(state)
+    assert str(caught.value) == (
+        "StepLockstep.load_state_dict: this lockstep_steps already read a step; load the state "
+        "before its first step (or into a fresh dataset.iterate() before building it)"
+    )
+
+
+def test_load_state_dict_loads_every_chunk_read_here_past_one_that_is_not() -> None:
+    state = a_state()
+    it = dataset().iterate()
+    lockstep_steps([None, it], micro_batches=M, topology=ONE).load_state_dict(
+        state | {"iterators": [None, state["iterators"][0]], "taken": [0, 0]}
+    )
+    assert it.index == 2
+    plain = lockstep_steps([None, iter(range(4))], micro_batches=M, topology=ONE, check=False)
+    with pytest.raises(TypeError) as caught:
+        plain.load_state_dict(state | {"iterators": [None, {"index": 2}]})
+    assert str(caught.value) == (
+        "StepLockstep.load_state_dict: data_iterator[1] (range_iterator) has no "
+        "load_state_dict(); resume it your own way"
+    )
+
+
+def test_positions_before_any_step_and_of_iterators_without_a_callable_state() -> None:
+    loop = lockstep_steps(dataset().iterate(), micro_batches=M, topology=ONE)
+    assert loop.state_dict()["taken"] == [0] and loop.state_dict()["steps"] == 0
+
+    class Odd:
+        state_dict = "not callable"  # an attribute that happens to have the name
+
+        def __iter__(self) -> Odd:
+            return self
+
+        def __next__(self) -> int:
+            return 1
+
+    odd = lockstep_steps(Odd(), micro_batches=M, topology=ONE, check=False)
+    next(odd)
+    assert odd.state_dict()["iterators"] == [None]
+    assert StepIterator([1, 2], 0).position() is None  # no positions kept: none to say
