@@ -120,6 +120,7 @@ TESTS: dict[str, list[str]] = {
         "tests/unit/test_data_packed_dir.py",
     ],
     "megapack/delivery/steps.py": ["tests/unit/test_steps.py", "tests/unit/test_steps_resume.py"],
+    "megapack/delivery/step_report.py": ["tests/unit/test_steps.py"],
     "megapack/attention/cudnn*.py": [
         "tests/unit/test_cudnn.py",
         "tests/unit/test_cudnn_standin.py",  # cuDNN's runtime stood in for on the CPU

@@ -11,7 +11,8 @@
     transport.py   the transports (the local link is private to it: link.py, link_setup.py)
     prefetch.py    `prefetch`: the same calls ahead in a thread
     steps.py       `lockstep_steps`: every rank learns a whole step of data exists before a
-                   pipeline schedule starts (agreement.py: what the ranks agree on at its first step)
+                   pipeline schedule starts (agreement.py: what the ranks agree on at its first step;
+                   step_report.py: the one line that says how the loop ended)
     graph.py       `GraphInputs`: the static buffers a captured training step reads
 
 May import `megapack.core` and `megapack.distributed`; nothing here imports a module above it.

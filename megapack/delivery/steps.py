@@ -51,11 +51,9 @@ after each item read), so a checkpoint saved anywhere in the loop resumes bit-ex
 iterator's own state counts the step read ahead. Load it into a fresh ``dataset.iterate()``
 before building the prefetcher and lockstep_steps again (docs/delivery.md, "Exact resume").
 
-When the loop ends on a data end or a data failure, the group's first rank (global rank 0)
-logs one line on the ``megapack.delivery`` logger: the step, the rank whose data ended or failed
-and why (INFO at a step boundary, WARNING for a partial step, ERROR for a failure), and the
-steps and trained tokens handed to the schedule across the job (counted on the last stage's TP
-sources, where every micro-batch carries its loss_mask; one small all-gather at the end).
+When the loop ends on a data end or a data failure, the group's first rank (global rank 0) logs
+one line: the step, the rank whose data ended or failed and why, and the steps and trained tokens
+handed to the schedule across the job (`megapack.delivery.step_report`).
 
 Measured on the 2-core dev machine (CPU gloo, 2026-11-27): tp 2 x pp 2 and tp 1 x pp 4 under 1F1B,
 and tp 1 x pp 2 with 2 virtual chunks under the interleaved schedule, end every rank the same way
@@ -70,12 +68,10 @@ import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from megapack.core.capture import capturing
 from megapack.core.checks import check_int
-from megapack.core.errors import CollectiveError, RemoteDataError, RemoteRankError
+from megapack.core.errors import RemoteDataError, RemoteRankError
 from megapack.core.fields import Schema
 from megapack.delivery.agreement import (
     batch_is_packed,
@@ -92,7 +88,8 @@ from megapack.delivery.deliver import (
     warn_ignored_iterator,
 )
 from megapack.delivery.prefetch import Prefetcher
-from megapack.distributed import comm, sync
+from megapack.delivery.step_report import Tally, report_end, tally_for
+from megapack.distributed import sync
 from megapack.distributed.groups import control_group
 from megapack.distributed.topology import Topology, resolve_topology
 
@@ -240,7 +237,7 @@ class _Chunk:
     """Whether this rank reads it: a prefetcher on any TP rank, else an iterator on the source."""
     position: Callable[[], Any] | None
     """The data position now: the iterator's ``state_dict``, a prefetcher's ``["iterator"]``."""
-    tally: _Tally | None
+    tally: Tally | None
     """Counts the trained tokens handed to the schedule (one rank per micro-batch: the TP
     source of the last stage, CP rank 0 for whole rows), else None."""
     last: StepIterator | None = None
@@ -249,42 +246,6 @@ class _Chunk:
     """The data position before this lockstep's first read (None until then)."""
     read: bool = False
     """Whether this lockstep read from it yet."""
-
-
-class _Tally:
-    """Trained tokens (non-zero ``loss_mask``) of the micro-batches handed to the schedule.
-
-    CPU masks are counted at once; a device mask adds to a device counter (no host sync) read
-    once, at the loop's end (not while a CUDA graph is captured: its kernels would be recorded). A whole row read from a data iterator is counted on CP rank 0
-    only (every CP rank's source reads it whole); a delivered batch (`megapack.prefetch`) holds
-    this CP rank's share, counted on every CP rank.
-    """
-
-    def __init__(self, cp_rank: int) -> None:
-        self._cp_rank = cp_rank
-        self._host = 0
-        self._device: dict[torch.device, torch.Tensor] = {}
-
-    def add(self, item: Any) -> None:
-        delivered = isinstance(item, Mapping) and "packed_seq_params" in item
-        if not delivered and self._cp_rank != 0:
-            return
-        mask = (
-            item.get("loss_mask") if isinstance(item, Mapping) else getattr(item, "loss_mask", None)
-        )
-        if not isinstance(mask, torch.Tensor):
-            return
-        if mask.device.type == "cpu":
-            self._host += int(torch.count_nonzero(mask))
-            return
-        if capturing():  # no kernel of ours in a CUDA graph: a captured step goes uncounted
-            return
-        count = torch.count_nonzero(mask)
-        held = self._device.get(mask.device)
-        self._device[mask.device] = count if held is None else held + count
-
-    def total(self) -> int:
-        return self._host + sum(int(t.item()) for t in self._device.values())
 
 
 class StepLockstep:
@@ -368,7 +329,7 @@ class StepLockstep:
         self._packed_option = source.packed
         self._source: tuple[Schema, SourceOptions] | None = (schema, source) if check else None
         self._chunks = [
-            _Chunk(it, _reads(it, topo), _position_of(it), _tally_for(it, topo, index, chunked))
+            _Chunk(it, _reads(it, topo), _position_of(it), tally_for(it, topo, index, chunked))
             for index, it in enumerate(entries)
         ]
         if any(it is not None and not c.reads for it, c in zip(entries, self._chunks, strict=True)):
@@ -687,71 +648,17 @@ class StepLockstep:
                 )
 
     def _report(self, status: int, error: BaseException | None) -> None:
-        """Log one line on the group's first rank (global rank 0 by default) when the loop ends:
-        the step, the rank whose data ended or failed and why, and the steps and trained tokens
-        handed to the schedule across the job (one small all-gather, bounded by the timeout)."""
-        tokens = sum(c.tally.total() for c in self._chunks if c.tally is not None)
-        mine = [status, self._partial, tokens]
-        if dist.is_initialized():
-            try:
-                rows = comm.all_gather(
-                    torch.tensor(
-                        mine, dtype=torch.int64, device=comm.tensor_device(self._flag_group)
-                    ),
-                    group=self._flag_group,
-                    what=f"lockstep_steps end report at step {self.step}",
-                    timeout=self._timeout,
-                )
-            except CollectiveError:
-                return  # the group is broken: the error on its way out says why
-            ranks = comm.group_ranks(self._flag_group)
-            everyone = [
-                (r, [int(v) for v in row.tolist()]) for r, row in zip(ranks, rows, strict=True)
-            ]
-        else:
-            everyone = [(0, mine)]
-        if _rank() != everyone[0][0]:
-            return
-        total = sum(row[2] for _, row in everyone)
-        trained = (
-            f"{self.step} step{'' if self.step == 1 else 's'} and {total:,} trained tokens "
-            "(loss_mask non-zero) handed to the schedule across the job"
+        """Log the loop's end on the group's first rank (`megapack.delivery.step_report`)."""
+        report_end(
+            step=self.step,
+            micro_batches=self.micro_batches,
+            status=status,
+            partial=self._partial,
+            tokens=sum(c.tally.total() for c in self._chunks if c.tally is not None),
+            error=error,
+            group=self._flag_group,
+            timeout=self._timeout,
         )
-        if error is not None:
-            rank = error.rank if isinstance(error, RemoteRankError) else _rank()
-            text = (
-                error.remote_message
-                if isinstance(error, RemoteRankError)
-                else f"{type(error).__name__}: {error}"
-            )
-            log.error(
-                "megapack: lockstep_steps stopped at step %d: rank %d failed: %s; trained %s",
-                self.step,
-                rank,
-                text,
-                trained,
-            )
-            return
-        out = [(r, row) for r, row in everyone if row[0] == sync.OUT]
-        rank, row = next(((r, row) for r, row in out if row[1]), out[0] if out else (_rank(), mine))
-        if row[1]:
-            log.warning(
-                "megapack: lockstep_steps stopped at step %d: the data on rank %d ended after %d of "
-                "its %d micro-batches (the partial step is not run); trained %s",
-                self.step,
-                rank,
-                row[1],
-                self.micro_batches,
-                trained,
-            )
-        else:
-            log.info(
-                "megapack: lockstep_steps stopped at step %d: the data on rank %d ended at the "
-                "step boundary; trained %s",
-                self.step,
-                rank,
-                trained,
-            )
 
 
 def _reads(iterator: Iterator[Any] | None, topo: Topology) -> bool:
@@ -774,20 +681,6 @@ def _position_of(iterator: Iterator[Any] | None) -> Callable[[], Any] | None:
         return lambda: prefetcher.state_dict()["iterator"]
     state = getattr(iterator, "state_dict", None)
     return state if callable(state) else None
-
-
-def _tally_for(
-    iterator: Iterator[Any] | None, topo: Topology, index: int, chunked: bool
-) -> _Tally | None:
-    """A `_Tally` where this chunk counts the trained tokens (module docstring), else None: the
-    TP source (TP rank 0, also over a prefetcher) of the last stage, where every micro-batch
-    carries its loss_mask (delivered batches too)."""
-    if iterator is None or not topo.is_source:
-        return None
-    if chunked and topo.vp_size is None:
-        return None  # which chunk is the last stage is unknown
-    place = dataclasses.replace(topo, vp_stage=index) if chunked else topo
-    return _Tally(topo.cp_rank) if place.is_last_stage else None
 
 
 def _short(value: Any, limit: int = 60) -> str:
