@@ -26,8 +26,10 @@ Resuming: a run that stopped (killed, out of disk) leaves ``progress.json`` and 
 ``rows_done``, the input rows to skip (``read_jsonl(..., skip=rows_done)``); a different
 configuration (input, any `PackOptions` field, tokenizer, ...) is refused naming the setting.
 
-Peak memory: one reader batch of documents plus the write buffer (``buffer_tokens``) plus 8-24
-bytes per document (lengths, then the plan); not the corpus' tokens (see ``megapack bench`` pack).
+Peak memory: about two reader batches of documents in flight (their encodings: 100-150 bytes a
+token of a batch, so longer documents take more), the write buffer (``buffer_tokens``) and a few
+hundred bytes per document (lengths, then the plan); not the corpus' tokens (docs/data.md,
+measured by ``megapack bench``'s pack section).
 """
 
 from __future__ import annotations
