@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,3 +23,19 @@ def dist_pool() -> Iterator[WorkerPool]:
         yield pool
     finally:
         pool.close()
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[Any]:
+    """A gloo world of this one process (``dist.group.WORLD``), for code that takes process groups
+    (a ProcessGroupCollection's, Bridge's forms, the lockstep's collective paths), destroyed after."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # pragma: no cover - another test left one behind
+        pytest.fail("a process group is already initialised in the test process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

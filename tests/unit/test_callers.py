@@ -309,21 +309,6 @@ def test_fold_empty_tail_worked_example() -> None:
     assert _fold_empty_tail(real, None) == (real, None)
 
 
-@pytest.fixture
-def world(tmp_path: Any) -> Any:
-    """A gloo world of this one process (Bridge's forms take process groups)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # pragma: no cover - another test left one behind
-        pytest.fail("a process group is already initialised in the test process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1)  # fmt: skip
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def bridge_cfg(pp: int = 1) -> Any:
     return SimpleNamespace(model=SimpleNamespace(pipeline_model_parallel_size=pp),
                            dataset=SimpleNamespace(enable_offline_packing=True))  # fmt: skip

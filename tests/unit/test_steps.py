@@ -740,17 +740,6 @@ def test_a_failed_agreement_notes_that_the_read_failed_too() -> None:
     assert not [n for n in getattr(caught.value, "__notes__", []) if "read of step 0" in n]
 
 
-@pytest.fixture
-def world(tmp_path: Any) -> Iterator[Any]:
-    """A gloo world of this one process: the lockstep's collective paths, run by one rank."""
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1)  # fmt: skip
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("end", ["boundary", "partial", "failure"])
 def test_one_rank_of_a_process_group_runs_the_steps_and_reports_the_end(
     world: Any, caplog: pytest.LogCaptureFixture, end: str

@@ -3,12 +3,10 @@ from megatron-core's ProcessGroupCollection (or an object like it) and `resolve_
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 from megapack import PackedBatch, Topology, get_batch_on_this_tp_rank
 from megapack.core.fields import Stage
@@ -83,17 +81,6 @@ def test_cp_size_defaults_to_one() -> None:
 
 
 # -- from a ProcessGroupCollection ------------------------------------------------------------------
-@pytest.fixture
-def world(tmp_path: Any) -> Iterator[Any]:
-    """A gloo world of this one process: its group stands in for every group of a collection."""
-    if dist.is_initialized():  # pragma: no cover - another test left one behind
-        pytest.fail("a process group is already initialised in the test process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1)  # fmt: skip
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_from_pg_collection_reads_tp_pp_cp(world: Any) -> None:
